@@ -1,0 +1,55 @@
+# Baton: one Makefile, every target bootstraps its own virtual environment.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On machines without CUDA we pin a CPU build of torch so no CUDA wheels are pulled.
+# On GPU machines the default CUDA build from the registry is used.
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.4,torch==2.13.0)
+PYTEST_ARGS ?=
+
+.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-gateway bench-policies clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: venv
+	$(VENV)/bin/mypy services router kvtransfer loadgen
+
+pytest: venv
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+serve: venv
+	$(VENV)/bin/baton serve --config deploy/configs/local.yaml
+
+bench: bench-engine bench-kv bench-router bench-gateway bench-policies
+
+bench-engine: venv
+	$(PY) benchmarks/engine.py
+
+bench-kv: venv
+	$(PY) benchmarks/kvtransfer.py
+
+bench-router: venv
+	$(PY) benchmarks/router.py
+
+bench-gateway: venv
+	$(PY) benchmarks/gateway.py
+
+bench-policies: venv
+	$(PY) benchmarks/policies.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache bench-out

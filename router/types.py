@@ -1,0 +1,124 @@
+"""What the router reads and returns. Pure data: no Ray, HTTP, torch or clocks.
+
+``plan(profile, view, now_s) -> Plan | Reject`` is the whole contract; ``now_s``
+is injected so the same policy objects run live and inside the simulator.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = [
+    "SLO",
+    "ClusterView",
+    "LengthClass",
+    "Plan",
+    "Priority",
+    "Reject",
+    "RequestProfile",
+    "Role",
+    "RunningRequest",
+    "StepSample",
+    "WorkerView",
+]
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"  # serves both: colocated plans
+    ENCODE = "encode"
+
+
+class Priority(enum.StrEnum):
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+class LengthClass(enum.StrEnum):
+    SHORT = "short"
+    LONG = "long"
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProfile:
+    request_id: str
+    num_prompt_tokens: int
+    num_new_tokens: int  # prompt tokens left after the predicted prefix hit
+    max_tokens: int
+    num_image_tokens: int = 0
+    slo: SLO = SLO()
+    priority: Priority = Priority.INTERACTIVE
+    prefix_hashes: tuple[int, ...] = ()  # hashes of the prompt's full blocks, in order
+    arrival_s: float = 0.0  # when the gateway received it (same clock as now_s)
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequest:
+    num_tokens_held: int  # c_i
+    num_generated: int  # g_i
+    max_tokens: int  # M_i
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    total_context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    worker_id: str
+    role: Role
+    alive: bool = True
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    block_size: int = 16
+    queued_tokens: dict[LengthClass, int] = field(default_factory=dict)  # prefill tokens waiting
+    queued_requests: dict[LengthClass, int] = field(default_factory=dict)
+    running: tuple[RunningRequest, ...] = ()
+    recent_steps: tuple[StepSample, ...] = ()
+    prefix_digest: frozenset[int] = frozenset()  # block hashes cached on this worker
+    link_bandwidth_bytes_per_s: float = 1e9
+    kv_bytes_per_token: int = 0
+    max_num_seqs: int = 256
+    draining: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    workers: tuple[WorkerView, ...]
+    recent_output_lens: tuple[int, ...] = ()  # finished requests' output lengths (history H)
+
+    def by_role(self, *roles: Role) -> tuple[WorkerView, ...]:
+        return tuple(w for w in self.workers if w.role in roles and w.alive and not w.draining)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    prefill_worker: str
+    decode_worker: str | None  # None: colocated on prefill_worker
+    encode_worker: str | None = None
+    length_class: LengthClass = LengthClass.SHORT
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+
+    @property
+    def colocated(self) -> bool:
+        return self.decode_worker is None or self.decode_worker == self.prefill_worker
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    reason: str
+    retry_after_s: float = 1.0
+    hold: bool = False  # True: targets still reachable, keep it at the gateway and ask again

@@ -1,0 +1,149 @@
+"""ClusterConfig: one pydantic model, loaded from YAML, overridden by CLI flags.
+
+Each component receives only its own section. Environment variables are read
+only by the CLI and deploy/, never here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "ClusterConfig",
+    "EngineConfig",
+    "GatewayConfig",
+    "KVTransferConfig",
+    "ModelConfig",
+    "RouterConfig",
+    "SLOConfig",
+    "WorkersConfig",
+    "load_config",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    name: str = Field("tiny", description="'tiny' (built in) or a local Hugging Face folder")
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+
+    @property
+    def public_name(self) -> str:
+        return self.served_model_name or (Path(self.name).name if self.name != "tiny" else "tiny")
+
+
+class EngineConfig(_Section):
+    backend: Literal["embedded", "vllm"] = "embedded"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_bytes: int = Field(64 * 2**20, ge=1, description="KV pool size per worker, bytes")
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker")
+
+
+class WorkersConfig(_Section):
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: int = Field(1, ge=0)
+    decode: int = Field(1, ge=0)
+    mixed: int = Field(0, ge=0)
+    encode: int = Field(0, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float | None = Field(None, ge=0, description="None: 1 on CUDA machines, 0 otherwise")
+    telemetry_interval_s: float = Field(0.1, gt=0, le=1.0)
+
+    @model_validator(mode="after")
+    def _has_workers(self) -> WorkersConfig:
+        if (
+            self.mode == "disaggregated"
+            and (self.prefill == 0 or self.decode == 0)
+            and self.mixed == 0
+        ):
+            raise ValueError(
+                "disaggregated mode needs at least one prefill and one decode worker (or mixed workers)"
+            )
+        if self.mode == "colocated" and self.prefill + self.decode + self.mixed == 0:
+            raise ValueError("colocated mode needs at least one worker")
+        return self
+
+
+class KVTransferConfig(_Section):
+    backend: Literal["nixl", "torch", "local"] = "nixl"
+    lease_s: float = Field(30.0, gt=0)
+    transfer_timeout_s: float = Field(10.0, gt=0)
+
+
+class SLOConfig(_Section):
+    ttft_ms: float = Field(2000.0, gt=0)
+    tpot_ms: float = Field(200.0, gt=0)
+
+
+class RouterConfig(_Section):
+    policy: str = "slo_goodput"
+    default_slo: SLOConfig = SLOConfig()
+    length_split: Literal["temporal", "spatial"] = "temporal"
+    length_threshold_tokens: int | None = Field(
+        None, ge=1, description="None: the knee of the prefill curve"
+    )
+    profile: str | None = Field(
+        None, description="cost-model seed profile JSON; None: the shipped one"
+    )
+    max_hold_s: float = Field(
+        5.0, ge=0, description="longest a request waits at the gateway for capacity"
+    )
+    memory_fraction: float = Field(0.95, gt=0, le=1)
+    rebalance_interval_s: float = Field(10.0, gt=0)
+
+
+class GatewayConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    max_inflight_requests: int = Field(1024, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class ClusterConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    workers: WorkersConfig = WorkersConfig()
+    kvtransfer: KVTransferConfig = KVTransferConfig()
+    router: RouterConfig = RouterConfig()
+    gateway: GatewayConfig = GatewayConfig()
+
+    def with_overrides(self, overrides: dict[str, Any]) -> ClusterConfig:
+        """Apply dotted overrides such as ``{"workers.prefill": 2}``; None values are skipped."""
+        data = self.model_dump()
+        for dotted, value in overrides.items():
+            if value is None:
+                continue
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node[p]
+            if leaf not in node:
+                raise KeyError(f"unknown config key {dotted!r}")
+            node[leaf] = value
+        return ClusterConfig.model_validate(data)
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    """Load a ClusterConfig from YAML (None: the defaults)."""
+    if path is None:
+        return ClusterConfig()
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return ClusterConfig.model_validate(data)

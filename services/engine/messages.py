@@ -1,0 +1,191 @@
+"""Messages in and out of an engine. Frozen and slotted: they cross process boundaries."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtransfer.types import KVLayout
+
+__all__ = [
+    "EngineError",
+    "EngineRequest",
+    "EngineStats",
+    "FinishReason",
+    "HeldKV",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "RequestOutput",
+    "RunningRequestStats",
+    "SamplingParams",
+    "StepStats",
+    "TokenLogprob",
+    "UnsupportedModelError",
+]
+
+
+class EngineError(Exception):
+    """Base class of engine errors.
+
+    EngineError
+     ├── InvalidRequestError     bad request (too long, max_tokens <= 0, ...): HTTP 400
+     ├── ModelLoadError          folder missing weights/config, unreadable files
+     │    └── UnsupportedModelError   architecture we do not implement
+    """
+
+
+class InvalidRequestError(EngineError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelLoadError(EngineError):
+    pass
+
+
+class UnsupportedModelError(ModelLoadError):
+    pass
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, stop token id or stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+    PREFILLED = "prefilled"  # a prefill-only request stopped after its first token
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; k >= 0: chosen token plus k alternatives
+    include_stop_str_in_output: bool = False
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
+            )
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequestError(
+                f"temperature must be in [0, 2], got {self.temperature}", "temperature"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 or positive, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(
+                    f"{name} must be in [-2, 2], got {getattr(self, name)}", name
+                )
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request as the engine sees it.
+
+    ``output_token_ids`` is non-empty only for a request that continues elsewhere
+    (adopted after a remote prefill, or re-planned after a worker died): those
+    tokens were already generated and streamed, and count toward ``max_tokens``.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    prefill_only: bool = False
+    output_token_ids: tuple[int, ...] = ()
+    arrival_time_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class HeldKV:
+    """Blocks a prefill-only request keeps after finishing, ready to be pulled."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int  # tokens whose KV the blocks hold (the prompt)
+    layout: KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one engine step produced for one request (a delta, not a total)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, including adopted ones
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    held_kv: HeldKV | None = None  # set when a prefill-only request finishes
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequestStats:
+    request_id: str
+    num_tokens_held: int  # c_i: KV tokens held
+    num_generated: int  # g_i
+    max_tokens: int  # M_i
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    total_context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    block_size: int
+    num_total_blocks: int
+    num_free_blocks: int  # allocatable now, cached-but-unreferenced included
+    num_cached_blocks: int  # unreferenced blocks kept for prefix reuse
+    num_held_blocks: int  # kept for a remote puller (prefill-only requests)
+    running: tuple[RunningRequestStats, ...]
+    waiting_prompt_lens: tuple[int, ...]
+    recent_steps: tuple[StepStats, ...]
+    recent_output_lens: tuple[int, ...]  # output lengths of recently finished requests
+    num_preemptions: int
+    num_prefix_hit_tokens: int  # cumulative
+    num_prompt_tokens_computed: int  # cumulative
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
