@@ -1,0 +1,65 @@
+"""Views over a rendered chart: its pods, containers and worker groups, by role."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Pod", "by_kind", "one", "pods", "ray_resources"]
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """One pod template: the head, a RayCluster worker group, or a worker Deployment."""
+
+    source: str  # "head", "raycluster", "deployment"
+    group: str
+    role: str
+    template: dict[str, Any]
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return self.template["spec"]
+
+    @property
+    def main(self) -> dict[str, Any]:
+        return self.spec["containers"][0]
+
+    @property
+    def is_worker(self) -> bool:
+        return self.source != "head"
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def pods(docs: list[dict[str, Any]]) -> Iterator[Pod]:
+    cluster = one(docs, "RayCluster")["spec"]
+    yield Pod("head", "head", "head", cluster["headGroupSpec"]["template"])
+    for group in cluster.get("workerGroupSpecs", []):
+        labels = group["template"]["metadata"]["labels"]
+        yield Pod("raycluster", group["groupName"], labels["baton.io/role"], group["template"])
+    for deployment in by_kind(docs, "Deployment"):
+        labels = deployment["metadata"]["labels"]
+        yield Pod(
+            "deployment",
+            labels["baton.io/group"],
+            labels["baton.io/role"],
+            deployment["spec"]["template"],
+        )
+
+
+def ray_resources(value: str) -> dict[str, float]:
+    """rayStartParams.resources as `ray start` and KubeRay's autoscaler read it: one layer of
+    shell quoting around JSON."""
+    assert value[0] == value[-1] and value[0] in "'\"", f"not shell-quoted: {value!r}"
+    return dict(json.loads(value[1:-1].replace("\\", "")))

@@ -1,0 +1,420 @@
+"""The Helm chart: strict lint, strict schema validation of every object, and the
+properties a GPU deployment depends on, for the defaults and every ci/ value set."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import helm_python
+import pytest
+import yaml
+
+from services.config import ClusterConfig
+from tests.unit.deploy.chart_objects import Pod, by_kind, one, pods, ray_resources
+from tests.unit.deploy.conftest import CHART, NAMESPACE, VALUE_SETS, load_values
+from tests.unit.deploy.gateway_routes import gateway_routes
+from tests.unit.deploy.k8s_schemas import CRDSchemas, SchemaMissingError, validate_object
+
+SETS = list(VALUE_SETS)
+ROLES = {"prefill", "decode", "encode", "mixed"}
+
+
+def _docs(rendered_sets: dict[str, list[dict[str, Any]]], name: str) -> list[dict[str, Any]]:
+    return rendered_sets[name]
+
+
+def _resources(container: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    res = container.get("resources", {})
+    return res.get("requests", {}), res.get("limits", {})
+
+
+# --- lint and schemas -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_lint_strict_reports_no_errors_or_warnings(name: str) -> None:
+    report = helm_python.lint(str(CHART), load_values(name), strict=True, kube_version="v1.30.0")
+    assert report["errors"] == []
+    # severity 1 is INFO (e.g. "icon is recommended"); 2 WARNING and 3 ERROR fail strict lint.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_every_object_is_valid_against_its_schema(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]], crd_schemas: CRDSchemas
+) -> None:
+    docs = _docs(rendered_sets, name)
+    errors = {f"{d['kind']}/{d['metadata']['name']}": validate_object(d, crd_schemas) for d in docs}
+    assert {k: v for k, v in errors.items() if v} == {}
+    # The pod templates inside the RayCluster are also checked as core PodTemplates, so a
+    # misspelt probe or volume field fails here even where a CRD schema is loose.
+    for pod in pods(docs):
+        wrapper = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": pod.group},
+            "template": pod.template,
+        }
+        assert validate_object(wrapper, crd_schemas) == [], pod.group
+
+
+def test_an_object_of_an_unknown_kind_fails_instead_of_passing(crd_schemas: CRDSchemas) -> None:
+    widget = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}
+    with pytest.raises(SchemaMissingError, match="Widget"):
+        validate_object(widget, crd_schemas)
+    # A RayService has no CRD in shared/crds either.
+    with pytest.raises(SchemaMissingError):
+        validate_object({**widget, "apiVersion": "ray.io/v1", "kind": "RayService"}, crd_schemas)
+
+
+def test_crd_validation_is_strict_about_unknown_fields(
+    rendered_sets: dict[str, list[dict[str, Any]]], crd_schemas: CRDSchemas
+) -> None:
+    cluster = yaml.safe_load(yaml.safe_dump(one(rendered_sets["defaults"], "RayCluster")))
+    assert validate_object(cluster, crd_schemas) == []
+    cluster["spec"]["workerGroupSpecs"][0]["replica"] = 3  # typo of "replicas"
+    cluster["spec"]["workerGroupSpecs"][0]["minReplicas"] = "one"
+    errors = validate_object(cluster, crd_schemas)
+    assert any("replica" in e and "unexpected" in e for e in errors), errors
+    assert any("minReplicas" in e for e in errors), errors
+
+
+# --- pods and resources ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_gpu_limits_equal_requests_and_match_the_group(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    values = load_values(name)
+    defaults_gpus = values.get("workerDefaults", {}).get("gpus", 1)
+    for pod in pods(_docs(rendered_sets, name)):
+        for container in pod.spec["containers"] + pod.spec.get("initContainers", []):
+            requests, limits = _resources(container)
+            assert requests.get("nvidia.com/gpu") == limits.get("nvidia.com/gpu"), pod.group
+        if pod.is_worker:
+            group = _group_values(values, pod.group)
+            expected = group.get("gpus", defaults_gpus)
+            requests, limits = _resources(pod.main)
+            assert limits.get("nvidia.com/gpu", "0") == str(expected), pod.group
+
+
+def _group_values(values: dict[str, Any], group: str) -> dict[str, Any]:
+    if group in ("prefill", "decode", "encode"):
+        return dict(values.get(group, {}))
+    return next(g for g in values.get("extraWorkerGroups", []) if g["name"] == group)
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_every_pod_mounts_a_memory_backed_dev_shm_with_a_size_limit(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    all_pods = list(pods(_docs(rendered_sets, name)))
+    assert any(p.is_worker for p in all_pods)
+    for pod in all_pods:
+        mounts = {m["mountPath"]: m["name"] for m in pod.main["volumeMounts"]}
+        assert "/dev/shm" in mounts, pod.group
+        volume = next(v for v in pod.spec["volumes"] if v["name"] == mounts["/dev/shm"])
+        assert volume["emptyDir"]["medium"] == "Memory"
+        assert re.fullmatch(r"[0-9]+[KMGT]i", volume["emptyDir"]["sizeLimit"])
+
+
+def test_a_group_can_override_the_shm_size(rendered_sets: dict[str, list[dict[str, Any]]]) -> None:
+    sizes = {
+        p.group: next(v for v in p.spec["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
+        for p in pods(rendered_sets["large-multigroup-values"])
+    }
+    assert sizes["head"] == "8Gi" and sizes["decode-b200"] == "64Gi"
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_rdma_resource_and_ipc_lock_exactly_when_enabled(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    rdma = {"enabled": False, "resourceName": "rdma/ib", "count": 1} | load_values(name).get(
+        "rdma", {}
+    )
+    for pod in pods(_docs(rendered_sets, name)):
+        requests, limits = _resources(pod.main)
+        caps = pod.main["securityContext"].get("capabilities", {}).get("add", [])
+        if rdma["enabled"] and pod.is_worker:
+            assert requests[rdma["resourceName"]] == limits[rdma["resourceName"]]
+            assert limits[rdma["resourceName"]] == str(rdma["count"])
+            assert "IPC_LOCK" in caps
+        else:
+            assert not any(k.startswith("rdma/") for k in {**requests, **limits}), pod.group
+            assert "IPC_LOCK" not in caps
+
+
+def test_rdma_is_enabled_by_at_least_one_value_set() -> None:
+    assert any(load_values(n).get("rdma", {}).get("enabled") for n in SETS)
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_workers_get_pod_ip_and_nixl_env_from_the_downward_api(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    values = load_values(name)
+    for pod in pods(_docs(rendered_sets, name)):
+        env = {e["name"]: e for e in pod.main["env"]}
+        for var in ("BATON_POD_IP", "VLLM_NIXL_SIDE_CHANNEL_HOST"):
+            assert env[var]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["BATON_ROLE"]["value"] == pod.role
+        if ucx_tls := values.get("nixl", {}).get("ucxTls"):
+            assert env["UCX_TLS"]["value"] == ucx_tls
+        else:
+            assert "UCX_TLS" not in env
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_pods_run_as_non_root_without_privilege_escalation(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    for pod in pods(_docs(rendered_sets, name)):
+        assert pod.spec["securityContext"]["runAsNonRoot"] is True
+        for container in pod.spec["containers"] + pod.spec.get("initContainers", []):
+            ctx = container["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False
+            assert ctx["capabilities"]["drop"] == ["ALL"]
+
+
+# --- worker groups, Ray resources and autoscaling -----------------------------------------
+
+
+def _pod_ray_resources(pod: Pod, docs: list[dict[str, Any]]) -> dict[str, float]:
+    if pod.source == "raycluster":
+        group = next(
+            g
+            for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]
+            if g["groupName"] == pod.group
+        )
+        return ray_resources(group["rayStartParams"]["resources"])
+    match = re.search(r"--resources=('[^']*')", pod.main["args"][0])
+    assert match, pod.main["args"]
+    return ray_resources(match.group(1))
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_each_worker_group_offers_its_roles_ray_resource(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    values = load_values(name)
+    per_pod_default = values.get("workerDefaults", {}).get("workersPerPod", 1)
+    workers = [p for p in pods(docs) if p.is_worker]
+    assert {"prefill", "decode"} <= {p.role for p in workers}
+    for pod in workers:
+        assert pod.role in ROLES
+        expected = _group_values(values, pod.group).get("workersPerPod", per_pod_default)
+        assert _pod_ray_resources(pod, docs) == {pod.role: expected}
+
+
+def test_the_large_layout_has_several_groups_per_role(
+    rendered_sets: dict[str, list[dict[str, Any]]],
+) -> None:
+    groups = {
+        p.group: p.role for p in pods(rendered_sets["large-multigroup-values"]) if p.is_worker
+    }
+    assert groups == {
+        "prefill": "prefill",
+        "decode": "decode",
+        "prefill-long": "prefill",
+        "decode-b200": "decode",
+        "mixed-small": "mixed",
+    }
+
+
+def _autoscaling(values: dict[str, Any]) -> str:
+    auto = values.get("autoscaling", {})
+    return auto.get("mode", "ray") if auto.get("enabled") else "none"
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_replicas_are_left_to_the_autoscaler_when_one_is_enabled(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    spec = one(docs, "RayCluster")["spec"]
+    groups = spec.get("workerGroupSpecs", [])
+    deployments, scaled = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
+    match _autoscaling(load_values(name)):
+        case "none":
+            assert "enableInTreeAutoscaling" not in spec and deployments == scaled == []
+            for g in groups:
+                assert g["replicas"] == g["minReplicas"] == g["maxReplicas"]
+        case "ray":
+            assert spec["enableInTreeAutoscaling"] is True and deployments == scaled == []
+            assert groups
+            for g in groups:
+                assert "replicas" not in g
+                assert 0 <= g["minReplicas"] <= g["maxReplicas"]
+        case "keda":
+            assert "enableInTreeAutoscaling" not in spec and groups == []
+            assert deployments
+            targets = {s["spec"]["scaleTargetRef"]["name"]: s["spec"] for s in scaled}
+            for d in deployments:
+                assert "replicas" not in d["spec"]
+                target = targets[d["metadata"]["name"]]
+                assert target["scaleTargetRef"]["kind"] == "Deployment"
+                assert target["minReplicaCount"] <= target["maxReplicaCount"]
+
+
+def test_every_autoscaling_mode_is_covered_by_a_value_set() -> None:
+    assert {_autoscaling(load_values(n)) for n in SETS} == {"none", "ray", "keda"}
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_the_configmap_is_a_valid_cluster_config_matching_the_groups(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    values = load_values(name)
+    config_map = one(docs, "ConfigMap")
+    config = ClusterConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
+    spec = one(docs, "RayCluster")["spec"]
+    expected = dict.fromkeys(ROLES, 0)
+    scaled = {s["spec"]["scaleTargetRef"]["name"]: s["spec"] for s in by_kind(docs, "ScaledObject")}
+    for pod in pods(docs):
+        if not pod.is_worker:
+            continue
+        if pod.source == "deployment":
+            num_pods = scaled[
+                f"{config_map['metadata']['name'].removesuffix('-config')}-{pod.group}"
+            ]["minReplicaCount"]
+        else:
+            group = next(g for g in spec["workerGroupSpecs"] if g["groupName"] == pod.group)
+            num_pods = group.get("replicas", group["minReplicas"])
+        expected[pod.role] += num_pods * next(iter(_pod_ray_resources(pod, docs).values()))
+    workers = config.workers
+    assert (workers.prefill, workers.decode, workers.encode, workers.mixed) == (
+        expected["prefill"],
+        expected["decode"],
+        expected["encode"],
+        expected["mixed"],
+    )
+    assert config.gateway.host == "0.0.0.0"
+    assert config.gateway.port == values.get("service", {}).get("port", 8000)
+    model = values.get("model", {})
+    if model.get("source", "none") != "none":
+        assert config.model.name == f"{model.get('mountPath', '/models')}/{model['path']}"
+        mounts = {m["name"]: m["mountPath"] for m in next(pods(docs)).main["volumeMounts"]}
+        assert mounts["model"] == model.get("mountPath", "/models")
+
+
+# --- gateway, traffic and disruption -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_gateway_probes_hit_routes_the_gateway_serves(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    head = next(pods(docs)).main
+    get_paths = {path for method, path in gateway_routes() if method == "GET"}
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        http = head[probe]["httpGet"]
+        assert http["path"] in get_paths, (probe, http["path"])
+        assert http["port"] == "http"
+    # Readiness must follow /health (503 while starting or draining).
+    assert head["readinessProbe"]["httpGet"]["path"] == "/health"
+    service = one(docs, "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert service["spec"]["ports"][0]["port"] == ports["http"]
+    assert (
+        service["spec"]["selector"].items()
+        <= next(pods(docs)).template["metadata"]["labels"].items()
+    )
+    assert f"--port {ports['http']}" in head["args"][0]
+    assert "baton serve --config /etc/baton/config.yaml" in head["args"][0]
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_api_key_comes_from_the_named_secret_only_when_given(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    api_key = load_values(name).get("apiKey", {})
+    env = {e["name"]: e for e in next(pods(_docs(rendered_sets, name))).main["env"]}
+    if api_key.get("existingSecret"):
+        ref = env["BATON_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": api_key["existingSecret"], "key": api_key.get("key", "api-key")}
+    else:
+        assert "BATON_API_KEY" not in env
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_network_policy_opens_only_the_gateway_port_beyond_the_release(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    policy = one(docs, "NetworkPolicy")["spec"]
+    release_labels = policy["podSelector"]["matchLabels"]
+    assert policy["policyTypes"] == ["Ingress"]
+    for rule in policy["ingress"]:
+        peers = rule.get("from", [])
+        intra = peers and all(
+            p.get("podSelector", {}).get("matchLabels") == release_labels for p in peers
+        )
+        assert intra or rule.get("ports") == [{"port": "http", "protocol": "TCP"}], rule
+    # Every pod of the release is covered by the policy.
+    for pod in pods(docs):
+        assert release_labels.items() <= pod.template["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_each_worker_group_has_a_disruption_budget_selecting_its_pods(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    budgets = [b["spec"] for b in by_kind(docs, "PodDisruptionBudget")]
+    for pod in pods(docs):
+        labels = pod.template["metadata"]["labels"]
+        matching = [b for b in budgets if b["selector"]["matchLabels"].items() <= labels.items()]
+        if pod.is_worker:
+            assert len(matching) == 1 and matching[0]["maxUnavailable"] == 1, pod.group
+        elif load_values(name).get("podDisruptionBudget", {}).get("head", {}).get("enabled"):
+            assert [b["maxUnavailable"] for b in matching] == [0]
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_service_monitor_scrapes_the_gateway_metrics_route_when_enabled(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    monitors = by_kind(docs, "ServiceMonitor")
+    if not load_values(name).get("serviceMonitor", {}).get("enabled"):
+        assert monitors == []
+        return
+    (monitor,) = monitors
+    service = one(docs, "Service")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert ("GET", endpoint["path"]) in gateway_routes()
+
+
+def test_model_download_init_container_fills_the_volume_the_workers_read(
+    rendered_sets: dict[str, list[dict[str, Any]]],
+) -> None:
+    for pod in pods(rendered_sets["epd-values"]):
+        (init,) = pod.spec["initContainers"]
+        init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+        main_mounts = {m["name"]: m for m in pod.main["volumeMounts"]}
+        assert init_mounts["model"] == main_mounts["model"]["mountPath"]
+        assert main_mounts["model"].get("readOnly") is True
+        env = {e["name"]: e for e in init["env"]}
+        assert env["MODEL_REPO_ID"]["value"] == "Qwen/Qwen2-VL-7B-Instruct"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+
+
+def test_a_pvc_model_source_mounts_the_claim_read_only(
+    rendered_sets: dict[str, list[dict[str, Any]]],
+) -> None:
+    for pod in pods(rendered_sets["rdma-values"]):
+        volume = next(v for v in pod.spec["volumes"] if v["name"] == "model")
+        assert volume["persistentVolumeClaim"] == {"claimName": "llama-weights", "readOnly": True}
+        assert "initContainers" not in pod.spec
