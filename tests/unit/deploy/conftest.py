@@ -26,14 +26,17 @@ VALUE_SETS: dict[str, Path | None] = {
 def _shared_dir() -> Path:
     """``<repo>/../shared``; a git worktree looks beside its main checkout too."""
     candidates = [REPO.parent / "shared"]
-    common = subprocess.run(
-        ["git", "rev-parse", "--path-format=absolute", "--git-common-dir"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if common.returncode == 0:
+    try:
+        common = subprocess.run(
+            ["git", "rev-parse", "--path-format=absolute", "--git-common-dir"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:  # no git: only the plain layout
+        common = None
+    if common is not None and common.returncode == 0:
         candidates.append(Path(common.stdout.strip()).parent.parent / "shared")
     for candidate in candidates:
         if (candidate / "crds").is_dir():
