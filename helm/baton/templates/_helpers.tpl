@@ -273,6 +273,8 @@ args: dict "resources" "gpus" "rdma" (the rdma values, or nil)
 {{- define "baton.podCommon" -}}
 {{- $v := .root.Values -}}
 serviceAccountName: {{ include "baton.serviceAccountName" .root }}
+{{- /* Only the head talks to the API server, and only for the Ray autoscaler. */}}
+automountServiceAccountToken: {{ and .apiAccess (eq (include "baton.autoscaling" .root) "ray") | ternary "true" "false" }}
 {{- with $v.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}

@@ -23,7 +23,7 @@ metadata:
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
-  {{- include "baton.podCommon" (merge (dict "root" .root) $g) | nindent 2 }}
+  {{- include "baton.podCommon" (merge (dict "root" .root "apiAccess" false) $g) | nindent 2 }}
   {{- if $v.rdma.hostNetwork }}
   hostNetwork: true
   dnsPolicy: ClusterFirstWithHostNet

@@ -260,6 +260,35 @@ def test_replicas_are_left_to_the_autoscaler_when_one_is_enabled(
                 assert target["minReplicaCount"] <= target["maxReplicaCount"]
 
 
+@pytest.mark.parametrize("name", SETS)
+def test_only_the_ray_autoscaler_gets_api_access(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    ray_mode = _autoscaling(load_values(name)) == "ray"
+    tokens = {p.group: p.spec["automountServiceAccountToken"] for p in pods(docs)}
+    assert tokens == {group: ray_mode and group == "head" for group in tokens}
+    bindings = by_kind(docs, "RoleBinding")
+    if not ray_mode:
+        assert bindings == [] and by_kind(docs, "Role") == []
+        return
+    (binding,) = bindings
+    (role,) = by_kind(docs, "Role")
+    head_sa = next(pods(docs)).spec["serviceAccountName"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": head_sa, "namespace": NAMESPACE}
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    granted = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    assert {("", "pods", "list"), ("ray.io", "rayclusters", "patch")} <= granted
+
+
 def test_every_autoscaling_mode_is_covered_by_a_value_set() -> None:
     assert {_autoscaling(load_values(n)) for n in SETS} == {"none", "ray", "keda"}
 
