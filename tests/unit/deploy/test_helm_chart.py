@@ -245,6 +245,7 @@ def test_replicas_are_left_to_the_autoscaler_when_one_is_enabled(
                 assert g["replicas"] == g["minReplicas"] == g["maxReplicas"]
         case "ray":
             assert spec["enableInTreeAutoscaling"] is True and deployments == scaled == []
+            assert spec["autoscalerOptions"]["securityContext"]["allowPrivilegeEscalation"] is False
             assert groups
             for g in groups:
                 assert "replicas" not in g
