@@ -56,7 +56,11 @@ def _routes_from_source(folder: Path) -> frozenset[tuple[str, str]]:
                 continue
             name = node.func.attr
             first = node.args[0] if node.args else None
-            if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+            if not (
+                isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+                and first.value.startswith("/")  # not dict.get("key") and the like
+            ):
                 continue
             if name in _DECORATOR_METHODS:
                 routes.add((name.upper(), first.value))
