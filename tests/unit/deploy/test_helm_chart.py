@@ -357,7 +357,7 @@ def test_gateway_probes_hit_routes_the_gateway_serves(
         <= next(pods(docs)).template["metadata"]["labels"].items()
     )
     assert f"--port {ports['http']}" in head["args"][0]
-    assert "baton serve --config /etc/baton/config.yaml" in head["args"][0]
+    assert "RAY_ADDRESS=auto exec baton serve --config /etc/baton/config.yaml" in head["args"][0]
 
 
 @pytest.mark.parametrize("name", SETS)
