@@ -158,6 +158,8 @@ class SloGoodput:
             self._refresh_history(view.recent_output_lens)
         t = self._table
         t.sync(view)
+        if not view.workers:
+            return Reject("no live worker", retry_after_s=self.min_retry_after_s)
         batch = profile.priority is Priority.BATCH
         headroom = self.batch_slo_headroom if batch else 1.0
         ttft_s = profile.slo.ttft_s or self.default_slo.ttft_s
