@@ -145,17 +145,18 @@ class SloGoodput:
         sorted_h = history.sorted_lengths()
         self._table.sorted_history = sorted_h
         # A new request has generated nothing: draw from all of H; the cap is applied per request.
-        zeros = np.zeros(self.num_draws)
-        uncapped = np.full(self.num_draws, float(sorted_h[-1]) + 1.0)
-        self._ring = np.stack(
-            [sample_output_lengths(sorted_h, zeros, uncapped, u) for u in self._ring_u]
-        )
+        u = self._ring_u.reshape(1, -1)
+        zeros = np.zeros(u.shape[1])
+        uncapped = np.full(u.shape[1], float(sorted_h[-1]) + 1.0)
+        drawn = sample_output_lengths(sorted_h, zeros, uncapped, u)
+        self._ring = drawn.reshape(self._ring_u.shape)
 
     # -- deciding ----------------------------------------------------------------------
 
     def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan | Reject:
-        if view.recent_output_lens is not self._history_source:
-            self._refresh_history(view.recent_output_lens)
+        lengths = view.recent_output_lens
+        if lengths is not self._history_source and lengths != self._history_source:
+            self._refresh_history(lengths)
         t = self._table
         t.sync(view)
         if not view.workers:
