@@ -308,3 +308,17 @@ def test_never_picks_an_infeasible_pair_while_a_feasible_one_exists(
     assert plan.decode_worker in feasible
     assert facts[plan.decode_worker][1] == pytest.approx(max(facts[d][1] for d in feasible))
     assert plan.predicted_ttft_s == pytest.approx(ttft)
+
+
+def test_finished_lengths_in_the_view_replace_the_pessimistic_prior() -> None:
+    # Prior: 1000 output tokens each. 12 running × (1000 held + 999 to go) cannot fit 16000.
+    d = worker("d", Role.DECODE, busy(12, 1000, max_tokens=2000))
+    pol = policy(prior_output_len=1000)
+    cold = pol.plan(request(PROMPT), view(worker("p", Role.PREFILL), d), 0.0)
+    assert isinstance(cold, Reject)
+    # 300 finished requests of 20 tokens push the prior out of the window: r = 19.
+    warm_view = view(
+        worker("p", Role.PREFILL), worker("d", Role.DECODE, busy(12, 1000, max_tokens=2000))
+    )
+    warm_view = type(warm_view)(workers=warm_view.workers, recent_output_lens=(20,) * 300)
+    assert plan_of(pol.plan(request(PROMPT), warm_view, 0.0)).decode_worker == "d"
