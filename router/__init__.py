@@ -5,7 +5,13 @@ the cost model, the past-future estimator, length classes and the P/D planner
 live in their own modules.
 """
 
-from router.policy import Policy, available_policies, make_policy, register_policy
+from router.policy import (
+    Policy,
+    available_policies,
+    make_policy,
+    make_policy_from_settings,
+    register_policy,
+)
 from router.types import (
     SLO,
     ClusterView,
@@ -35,5 +41,6 @@ __all__ = [
     "WorkerView",
     "available_policies",
     "make_policy",
+    "make_policy_from_settings",
     "register_policy",
 ]

@@ -66,7 +66,7 @@ class SloGoodput:
     name: str = "slo_goodput"
     profile: Profile | str | None = None  # a Profile, a profile JSON path, or the default
     default_slo: SLO = _DEFAULT_SLO
-    split_mode: str = "temporal"
+    length_split: str = "temporal"  # or "spatial" (RouterConfig.length_split)
     length_threshold_tokens: int | None = None
     memory_fraction: float = 0.95
     batch_memory_fraction: float = 0.8
@@ -103,7 +103,7 @@ class SloGoodput:
         rng = np.random.default_rng(self.seed)
         settings = TableSettings(
             profile=self._profile,
-            split_mode=SplitMode(self.split_mode),
+            split_mode=SplitMode(self.length_split),
             memory_fraction=self.memory_fraction,
             batch_memory_fraction=self.batch_memory_fraction,
             colocate_roles=tuple(self.colocate_roles),
@@ -227,7 +227,7 @@ class SloGoodput:
 
     def _prefill_penalty(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray:
         """0 on the prefill workers this request may use, inf elsewhere."""
-        if self.split_mode != SplitMode.SPATIAL:
+        if self.length_split != SplitMode.SPATIAL:
             return t.prefill_penalty
         pool = np.where(t.in_long_pool == is_long, t.prefill_penalty, np.inf)
         return pool if np.isfinite(pool).any() else t.prefill_penalty

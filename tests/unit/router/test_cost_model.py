@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,15 @@ def test_knee_is_where_token_time_equals_fixed_time() -> None:
     n = prefill_knee_tokens(QuadCoeffs(0.02, 1e-4, 1e-7))
     assert 1e-4 * n + 1e-7 * n * n == pytest.approx(0.02)
     assert n < 200
+
+
+SHIPPED = sorted((Path(__file__).parents[3] / "loadgen" / "profiles").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_profiles_parse_and_are_physical(path: Path) -> None:
+    profile = load_profile(path)
+    model = CostModel(profile)
+    assert model.prefill_s(2048) > model.prefill_s(16) > 0
+    assert model.decode_step_s(64, 64 * 1024) > model.decode_step_s(1, 1024) > 0
+    assert profile.kv_bytes_per_token > 0 and profile.transfer.bandwidth_bytes_per_s > 0

@@ -98,3 +98,16 @@ def test_prefix_aware_load_guard_diverts_from_an_overloaded_holder() -> None:
     overloaded = _prefix_view(50_000, frozenset(PREFIX))  # > 2·0 + 4096 queued tokens
     plan = policy.plan(request(prefix_hashes=PREFIX), overloaded, 0.0)
     assert isinstance(plan, Plan) and plan.prefill_worker == "pb"
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_settings_are_passed_only_where_taken(name: str) -> None:
+    from router import make_policy_from_settings
+
+    settings = {"max_hold_s": 1.5, "length_split": "spatial", "memory_fraction": 0.9}
+    policy = make_policy_from_settings(name, settings)
+    assert policy.name == name
+    if name == "slo_goodput":
+        assert (policy.max_hold_s, policy.length_split) == (1.5, "spatial")  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy_from_settings("nope", settings)

@@ -202,7 +202,7 @@ def test_spatial_split_sends_each_class_to_its_pool() -> None:
         worker("p1", Role.PREFILL),  # the long pool: the last half by id
         worker("d", Role.DECODE),
     )
-    pol = policy(split_mode="spatial", spatial_long_fraction=0.5, length_threshold_tokens=256)
+    pol = policy(length_split="spatial", spatial_long_fraction=0.5, length_threshold_tokens=256)
     assert plan_of(pol.plan(request(50), v, 0.0)).prefill_worker == "p0"
     assert plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker == "p1"
     assert (
