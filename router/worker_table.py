@@ -8,6 +8,8 @@ past-future peak of the running set (a ``PeakTable``), the memory limits. A new
 (telemetry arrives one worker at a time, reservations touch one worker), so
 ``sync`` compares snapshots by identity and recomputes only the rows that
 changed. A request then costs a few vectorised numpy operations over the rows.
+``SloGoodput.refresh(view)`` runs the sync when telemetry arrives, off the
+request path.
 
 The output-length history used for new rows is whatever was current when the
 row was built; every worker reports at least every 100 ms, so rows follow it.

@@ -129,6 +129,14 @@ class SloGoodput:
         """Feed a step directly (telemetry with ``end_s`` set is also read from the view)."""
         self.cost_model(worker_id).observe(sample)
 
+    def refresh(self, view: ClusterView) -> None:
+        """Bring the per-worker rows up to ``view`` now (e.g. when telemetry arrives),
+        so that the next ``plan`` on this view pays only for the decision."""
+        lengths = view.recent_output_lens
+        if lengths is not self._history_source and lengths != self._history_source:
+            self._refresh_history(lengths)
+        self._table.sync(view)
+
     @property
     def length_threshold(self) -> float:
         return self._classifier.threshold_tokens
@@ -154,11 +162,8 @@ class SloGoodput:
     # -- deciding ----------------------------------------------------------------------
 
     def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan | Reject:
-        lengths = view.recent_output_lens
-        if lengths is not self._history_source and lengths != self._history_source:
-            self._refresh_history(lengths)
+        self.refresh(view)
         t = self._table
-        t.sync(view)
         if not view.workers:
             return Reject("no live worker", retry_after_s=self.min_retry_after_s)
         batch = profile.priority is Priority.BATCH
