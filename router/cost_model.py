@@ -223,6 +223,7 @@ class CostModel:
     _y: deque[float] = field(init=False, repr=False)
     _theta: np.ndarray = field(init=False, repr=False)
     _theta0: np.ndarray = field(init=False, repr=False)
+    _coeffs: tuple[QuadCoeffs, QuadCoeffs] = field(init=False, repr=False)
     _since_fit: int = field(default=0, init=False, repr=False)
     _prefill_err: _RollingMean = field(init=False, repr=False)
     _decode_err: _RollingMean = field(init=False, repr=False)
@@ -231,7 +232,7 @@ class CostModel:
     def __post_init__(self) -> None:
         p, d = self.profile.prefill, self.profile.decode
         self._theta0 = np.array([p.a, p.b, p.c, d.a, d.b, d.c], dtype=np.float64)
-        self._theta = self._theta0.copy()
+        self._set_theta(self._theta0.copy())
         self._x = deque(maxlen=self.window)
         self._y = deque(maxlen=self.window)
         self._prefill_err = _RollingMean(self.error_window)
@@ -284,17 +285,22 @@ class CostModel:
         xw = xs * weights[:, None]
         gram = xw.T @ xs + np.diag(prior)
         rhs = xw.T @ y + prior * at_ref
-        self._theta = np.linalg.solve(gram, rhs) / ref
+        self._set_theta(np.linalg.solve(gram, rhs) / ref)
 
     # -- reading -----------------------------------------------------------------------
 
     @property
     def prefill_coeffs(self) -> QuadCoeffs:
-        return QuadCoeffs(*(float(v) for v in self._theta[:3]))
+        return self._coeffs[0]
 
     @property
     def decode_coeffs(self) -> QuadCoeffs:
-        return QuadCoeffs(*(float(v) for v in self._theta[3:]))
+        return self._coeffs[1]
+
+    def _set_theta(self, theta: np.ndarray) -> None:
+        self._theta = theta
+        a, b, c, da, db, dc = (float(v) for v in theta)
+        self._coeffs = (QuadCoeffs(a, b, c), QuadCoeffs(da, db, dc))
 
     @property
     def prefill_error(self) -> float:

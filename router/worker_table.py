@@ -17,6 +17,7 @@ row was built; every worker reports at least every 100 ms, so rows follow it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -103,7 +104,9 @@ class WorkerTable:
         if old is None or len(new) != len(old):
             self._rebuild(new)
             return
-        changed = [i for i, (a, b) in enumerate(zip(new, old)) if a is not b]
+        # Identity, not equality: a snapshot is a new object whenever anything in it moved.
+        moved = np.fromiter(map(operator.is_not, new, old), dtype=bool, count=len(new))
+        changed = np.flatnonzero(moved).tolist()
         for i in changed:
             if new[i].worker_id != old[i].worker_id or new[i].role != old[i].role:
                 self._rebuild(new)
