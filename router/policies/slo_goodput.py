@@ -41,6 +41,7 @@ import numpy as np
 from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, load_profile
 from router.estimator import OutputLengthHistory, sample_output_lengths
 from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
+from router.planner import RolePressure
 from router.policy import register_policy
 from router.types import (
     SLO,
@@ -136,6 +137,24 @@ class SloGoodput:
         if lengths is not self._history_source and lengths != self._history_source:
             self._refresh_history(lengths)
         self._table.sync(view)
+
+    def pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
+        """Each role's load against its target, averaged over its usable workers, for
+        the ratio planner: prefill TTFT of a typical prompt behind today's queues,
+        decode estimated peak KV fraction and step time with one more request."""
+        self.refresh(view)
+        t = self._table
+        prefill, decode = t.is_role(Role.PREFILL), t.is_role(Role.DECODE)
+        n = mean_prompt_tokens
+        ttft_s = t.wait_long_s + t.pa + n * (t.pb + n * t.pc)
+        slo = self.default_slo
+        return RolePressure(
+            predicted_ttft_s=float(ttft_s[prefill].mean()) if prefill.any() else 0.0,
+            ttft_target_s=slo.ttft_s or math.inf,
+            decode_peak_fraction=float(t.fullness[decode].mean()) if decode.any() else 0.0,
+            predicted_tpot_s=float(t.step_base_s[decode].mean()) if decode.any() else 0.0,
+            tpot_target_s=slo.tpot_s or math.inf,
+        )
 
     @property
     def length_threshold(self) -> float:
@@ -245,8 +264,10 @@ class SloGoodput:
         matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
         total = profile.num_prompt_tokens + profile.num_image_tokens
         n = np.full(len(t.role), float(total))
-        for i, blocks in matched.items():
-            n[i] = max(1.0, total - blocks * t.block_size[i])
+        if matched:
+            index = np.fromiter(matched.keys(), dtype=np.intp, count=len(matched))
+            blocks = np.fromiter(matched.values(), dtype=np.float64, count=len(matched))
+            n[index] = np.maximum(1.0, total - blocks * t.block_size[index])
         return n
 
     def _encode(self, profile: RequestProfile) -> tuple[float, str | None]:

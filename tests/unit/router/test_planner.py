@@ -85,3 +85,20 @@ def test_cli_prints_the_plan(tmp_path, capsys) -> None:
     assert cli_plan.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["num_prefill"], out["num_decode"]) == (3, 2)
+
+
+def test_pressure_from_a_view_drives_the_flip() -> None:
+    from router.types import Role
+    from tests.unit.router.builders import busy, view, worker
+    from tests.unit.router.test_slo_goodput import policy
+
+    pol = policy()
+    # Two prefill workers with 8000 queued tokens each: 0.81 s wait + 0.11 s for a
+    # 1000-token prompt = 0.92 of the 1 s target. Four near-idle decoders at 0.51.
+    # A flip: max(0.92·2/3, 0.51·4/3) = 0.68 < 0.92 - 0.05.
+    prefill = [worker(f"p{i}", Role.PREFILL, short_tokens=8000, short_requests=1) for i in range(2)]
+    decode = [worker(f"d{i}", Role.DECODE, busy(1, 100)) for i in range(4)]
+    pressure = pol.pressure(view(*prefill, *decode), mean_prompt_tokens=1000)
+    assert pressure.prefill == pytest.approx(0.92)
+    assert pressure.decode == pytest.approx((0.01 + 2e-4 + 1e-5) / 0.02)  # TPOT dominates
+    assert RatioPlanner(hysteresis=0.05).decide(0.0, pressure, 2, 4) is Flip.DECODE_TO_PREFILL
