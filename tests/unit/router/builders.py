@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+from router import make_policy
 from router.cost_model import EncodeCoeffs, Profile, QuadCoeffs, TransferCoeffs
+from router.policies import SloGoodput
 from router.types import (
     SLO,
     ClusterView,
@@ -102,3 +105,17 @@ def request(
         prefix_hashes=prefix_hashes,
         arrival_s=arrival_s,
     )
+
+
+def policy(**options: Any) -> SloGoodput:
+    """slo_goodput on ``PROFILE`` with a one-length history, disaggregated only by default."""
+    settings = {
+        "profile": PROFILE,
+        "prior_output_len": OUTPUT_LEN,
+        "default_slo": SLO_DEFAULT,
+        "colocate_roles": (),
+    }
+    settings.update(options)
+    built = make_policy("slo_goodput", **settings)
+    assert isinstance(built, SloGoodput)
+    return built

@@ -89,8 +89,7 @@ def test_cli_prints_the_plan(tmp_path, capsys) -> None:
 
 def test_pressure_from_a_view_drives_the_flip() -> None:
     from router.types import Role
-    from tests.unit.router.builders import busy, view, worker
-    from tests.unit.router.test_slo_goodput import policy
+    from tests.unit.router.builders import busy, policy, view, worker
 
     pol = policy()
     # Two prefill workers with 8000 queued tokens each: 0.81 s wait + 0.11 s for a

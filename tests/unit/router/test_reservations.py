@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from router.reservations import reserve
 from router.types import LengthClass, Plan, Reject, Role
-from tests.unit.router.builders import busy, request, view, worker
-from tests.unit.router.test_slo_goodput import policy
+from tests.unit.router.builders import busy, policy, request, view, worker
 
 
 def test_a_reserved_slot_is_not_given_twice() -> None:

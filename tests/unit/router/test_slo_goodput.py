@@ -12,7 +12,6 @@ import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
-from router import make_policy
 from router.cost_model import save_profile
 from router.types import LengthClass, Plan, Priority, Reject, Role, RunningRequest, StepSample
 from tests.unit.router.builders import (
@@ -20,22 +19,12 @@ from tests.unit.router.builders import (
     PROFILE,
     SLO_DEFAULT,
     busy,
+    policy,
     prefill_s,
     request,
     view,
     worker,
 )
-
-
-def policy(**options):
-    settings_ = {
-        "profile": PROFILE,
-        "prior_output_len": OUTPUT_LEN,
-        "default_slo": SLO_DEFAULT,
-        "colocate_roles": (),
-    }
-    settings_.update(options)
-    return make_policy("slo_goodput", **settings_)
 
 
 def plan_of(result: Plan | Reject) -> Plan:
