@@ -209,6 +209,8 @@ class LLMEngine:
         reason = self._finish_reason(r, token_id, stop_str_hit)
         held: HeldKV | None = None
         if reason is not None:
+            if reason is not FinishReason.PREFILLED and not stop_str_hit:
+                text += r.detokenizer.finish()  # flush text held back for a stop string
             held = self._finish(r, reason)
         return RequestOutput(
             request_id=r.request_id,
@@ -281,10 +283,14 @@ class LLMEngine:
         r = Request.from_message(message)
         r.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
-            list(r.all_token_ids),  # context for the first new token's text
+            r.prompt_token_ids,
             stop=r.sampling.stop,
             include_stop_str_in_output=r.sampling.include_stop_str_in_output,
         )
+        # Outputs already streamed elsewhere: replay them (text discarded) so that text held
+        # back there (a split UTF-8 character, a partial stop string) completes here.
+        for token_id in r.output_token_ids:
+            r.detokenizer.add(token_id)
         self._requests[r.request_id] = r
         return r
 

@@ -28,7 +28,9 @@ BLOCK_SIZE = 4
 
 
 def build(backend: str) -> Engine:
-    cfg = EngineConfig(device="cpu", block_size=BLOCK_SIZE, kv_cache_bytes=2**20, max_model_len=64)
+    cfg = EngineConfig(
+        device="cpu", block_size=BLOCK_SIZE, kv_cache_bytes=2**20, max_model_len=64, num_threads=1
+    )
     return make_engine(backend, ModelConfig(name="tiny", seed=0), cfg)
 
 
