@@ -33,7 +33,7 @@ from services.engine.messages import (
 )
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampler
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import ScheduledRequest, Scheduler
 from services.engine.step_inputs import StepInputs, build_step_inputs
 
 __all__ = ["EngineModelInfo", "LLMEngine"]
@@ -172,7 +172,7 @@ class LLMEngine:
         self._record_step(inputs, time.perf_counter() - start_s)
         return outputs
 
-    def _advance(self, scheduled: Sequence) -> None:
+    def _advance(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """The scheduled tokens' KV is now in the pool: count it, name full blocks for reuse."""
         for item in scheduled:
             r = item.request
