@@ -269,6 +269,8 @@ class LLMEngine:
         vocab = self._info.vocab_size
         if any(not 0 <= t < vocab for t in (*prompt, *message.output_token_ids)):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
+        if any(not 0 <= t < vocab for t in message.sampling.stop_token_ids):
+            raise InvalidRequestError(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
         num_tokens = len(prompt) + len(message.output_token_ids)
         if num_tokens >= self._info.max_model_len:
             raise InvalidRequestError(

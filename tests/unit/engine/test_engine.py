@@ -174,8 +174,20 @@ def test_generation_stops_with_length_at_the_context_limit() -> None:
         (EngineRequest("e", prompt(4), SamplingParams(max_tokens=-3)), "max_tokens"),
         (EngineRequest("e", (1, 2, 10**6), greedy(4)), "prompt"),
         (EngineRequest("e", prompt(4), SamplingParams(temperature=5.0)), "temperature"),
+        (
+            EngineRequest("e", prompt(4), greedy(4, stop_token_ids=(10**6,), min_tokens=2)),
+            "stop_token_ids",
+        ),
     ],
-    ids=["empty", "too_long", "zero_max_tokens", "negative_max_tokens", "bad_token", "temperature"],
+    ids=[
+        "empty",
+        "too_long",
+        "zero_max_tokens",
+        "negative_max_tokens",
+        "bad_token",
+        "temperature",
+        "bad_stop_token",
+    ],
 )
 def test_bad_inputs_raise_and_the_engine_keeps_serving(request_: EngineRequest, param: str) -> None:
     engine = make_engine(block_size=BS, max_model_len=32)
