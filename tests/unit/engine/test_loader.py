@@ -33,7 +33,7 @@ def test_tiny_weights_are_deterministic_in_the_seed() -> None:
     a, b, c = load_model("tiny", seed=7), load_model("tiny", seed=7), load_model("tiny", seed=8)
     sa, sb, sc = a.model.state_dict(), b.model.state_dict(), c.model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    q = "model.layers.0.self_attn.q_proj.weight"
+    q = "model.layers.0.self_attn.qkv_proj.weight"
     assert not torch.equal(sa[q], sc[q])
     assert a.model.lm_head.weight is a.model.model.embed_tokens.weight  # tied
     assert a.args.vocab_size == a.tokenizer.vocab_size
