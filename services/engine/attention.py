@@ -37,7 +37,7 @@ class SeqGroup:
     block_ids: torch.Tensor  # [S * max_blocks]: block tables, padded with block 0, flattened
     max_blocks: int
     covers_all_tokens: bool  # token_index is 0..T-1: the group is the whole step
-    mask: torch.Tensor  # [S, 1, group * max_query_len or 1, max_blocks * block_size] bool
+    mask: torch.Tensor  # [S, 1, group * max_query_len or 1, max_blocks * block_size]: 0 or -inf
 
 
 @dataclass(slots=True)
@@ -55,6 +55,7 @@ class AttentionMetadata:
         num_queries_per_kv: int,
         sliding_window: int | None,
         device: torch.device,
+        dtype: torch.dtype,
     ) -> AttentionMetadata:
         slots = batch.slot_mapping.to(device)
         starts = [0]
@@ -64,7 +65,7 @@ class AttentionMetadata:
         chunks = [i for i, q in enumerate(batch.query_lens) if q != 1]
         groups = [
             _build_group(
-                batch, seqs, starts, block_size, num_queries_per_kv, sliding_window, device
+                batch, seqs, starts, block_size, num_queries_per_kv, sliding_window, device, dtype
             )
             for seqs in (decode, chunks)
             if seqs
@@ -84,6 +85,7 @@ def _build_group(
     group: int,
     sliding_window: int | None,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> SeqGroup:
     # Index lists are built in Python and turned into tensors in one call each:
     # per-sequence tensor ops would cost more than the attention itself at decode.
@@ -112,11 +114,15 @@ def _build_group(
     allowed = key_pos <= query_pos[:, :, None]
     if sliding_window is not None:
         allowed &= key_pos > query_pos[:, :, None] - sliding_window
+    # An additive mask in the activation dtype: SDPA would convert a boolean one in every layer.
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+        ~allowed, float("-inf")
+    )
     if max_query_len == 1:  # decode: one row per sequence, broadcast over heads
-        mask = allowed[:, None]
+        mask = bias[:, None]
     else:
         mask = (
-            allowed[:, None, None]
+            bias[:, None, None]
             .expand(len(seqs), 1, group, max_query_len, key_pos.numel())
             .reshape(len(seqs), 1, group * max_query_len, key_pos.numel())
         )

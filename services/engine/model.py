@@ -21,7 +21,7 @@ from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
-__all__ = ["FUSED_PROJECTIONS", "CausalLM", "RMSNorm", "fuse_checkpoint"]
+__all__ = ["FUSED_PROJECTIONS", "CausalLM", "RMSNorm", "fuse_checkpoint", "unfuse_checkpoint"]
 
 # fused module -> the checkpoint modules concatenated (along the output dim) into it
 FUSED_PROJECTIONS = {
@@ -48,6 +48,25 @@ def fuse_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise KeyError(", ".join(missing))
         fused[f"{prefix}{target}.{kind}"] = torch.cat([state[n] for n in names], dim=0)
     return fused
+
+
+def unfuse_checkpoint(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The inverse of ``fuse_checkpoint``: Hugging Face names (to export, or to build an HF twin)."""
+    q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    sizes = {
+        "self_attn.qkv_proj": [q_dim, kv_dim, kv_dim],
+        "mlp.gate_up_proj": [args.intermediate_size, args.intermediate_size],
+    }
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        target = next((t for t in FUSED_PROJECTIONS if f".{t}." in key), None)
+        if target is None:
+            out[key] = tensor
+            continue
+        prefix, kind = key.split(f"{target}.")
+        for part, piece in zip(FUSED_PROJECTIONS[target], tensor.split(sizes[target], dim=0)):
+            out[f"{prefix}{part}.{kind}"] = piece
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -152,6 +171,10 @@ class CausalLM(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under Hugging Face checkpoint names (loadable into e.g. ``LlamaForCausalLM``)."""
+        return unfuse_checkpoint(self.state_dict(), self.args)
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's new tokens; writes their K/V into ``kv``.
@@ -166,6 +189,7 @@ class CausalLM(nn.Module):
             num_queries_per_kv=self.args.num_queries_per_kv,
             sliding_window=self.args.sliding_window,
             device=device,
+            dtype=self.model.embed_tokens.weight.dtype,
         )
         x = self.model.embed_tokens(batch.input_ids.to(device))
         positions = batch.positions.to(device)
