@@ -49,6 +49,10 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
+    admission: Literal["past_future", "blocks"] = Field(
+        "past_future",
+        description="admit waiting requests by the past-future peak estimate, or by free blocks now",
+    )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker")
 
 

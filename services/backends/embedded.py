@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from router.estimator import PastFutureAdmission
 from services.backends.protocol import AdmissionPolicy
 from services.config import EngineConfig, ModelConfig
 from services.engine.engine import LLMEngine
@@ -33,4 +34,23 @@ def make_embedded_engine(
     )
     if model_cfg.served_model_name is not None:
         loaded.name = model_cfg.served_model_name
+    if admission is None and engine_cfg.admission == "past_future":
+        admission = make_past_future_admission(
+            loaded.args.max_position_embeddings, engine_cfg, model_cfg.seed
+        )
     return LLMEngine(loaded, engine_cfg, seed=model_cfg.seed, admission=admission)
+
+
+def make_past_future_admission(
+    max_position_embeddings: int, engine_cfg: EngineConfig, seed: int
+) -> PastFutureAdmission:
+    """The router's estimator as this engine's admission rule.
+
+    The prior (what is assumed before any request has finished) is pessimistic, as in
+    LightLLM: every request runs to a quarter of the context; real output
+    lengths wash it out after a few hundred finishes.
+    """
+    max_model_len = min(
+        engine_cfg.max_model_len or max_position_embeddings, max_position_embeddings
+    )
+    return PastFutureAdmission(prior_output_len=max(1, max_model_len // 4), seed=seed)

@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 from kvtransfer.types import KVLayout
 from services.engine.messages import EngineRequest, EngineStats, RequestOutput, RunningRequestStats
 
-__all__ = ["AdmissionPolicy", "Engine", "ModelInfo"]
+__all__ = ["AdmissionFeedback", "AdmissionPolicy", "Engine", "ModelInfo"]
 
 
 class ModelInfo(Protocol):
@@ -55,6 +55,20 @@ class AdmissionPolicy(Protocol):
         num_total_blocks: int,
         block_size: int,
     ) -> bool: ...
+
+
+@runtime_checkable
+class AdmissionFeedback(Protocol):
+    """Opt-in capability of an admission policy that learns from what happened.
+
+    The engine reports each finished request's output length (the history a
+    past-future estimator draws from) and each preemption (memory ran out
+    anyway: a misprediction).
+    """
+
+    def observe_finished(self, output_len: int) -> None: ...
+
+    def record_exhaustion(self) -> None: ...
 
 
 @runtime_checkable

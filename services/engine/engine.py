@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.types import KVLayout
-from services.backends.protocol import AdmissionPolicy
+from services.backends.protocol import AdmissionFeedback, AdmissionPolicy
 from services.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.kv_cache import BlockManager, allocate_kv_pool
@@ -245,6 +245,8 @@ class LLMEngine:
             return HeldKV(tuple(block_ids), r.num_prompt_tokens, self._layout)
         self.scheduler.finish(r)
         self._recent_output_lens.append(r.num_output_tokens)
+        if isinstance(self.scheduler.admission, AdmissionFeedback):
+            self.scheduler.admission.observe_finished(r.num_output_tokens)
         return None
 
     def _record_step(self, inputs: StepInputs, duration_s: float) -> None:

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.backends.protocol import AdmissionPolicy
+from services.backends.protocol import AdmissionFeedback, AdmissionPolicy
 from services.engine.kv_cache import BlockManager
 from services.engine.messages import RunningRequestStats
 from services.engine.request import Request, RequestStatus
@@ -94,7 +94,7 @@ class Scheduler:
                 request_id=r.request_id,
                 num_tokens_held=r.num_computed_tokens,
                 num_generated=r.num_output_tokens,
-                max_tokens=r.sampling.max_tokens,
+                max_tokens=_future_max_tokens(r),
             )
             for r in self.running
         )
@@ -155,7 +155,7 @@ class Scheduler:
             # The policy sees the tokens that need new KV (prompt minus prefix hits).
             admitted = self.admission.can_admit(
                 num_to_compute,
-                request.sampling.max_tokens,
+                _future_max_tokens(request),
                 self.running_stats(),
                 bm.num_free_blocks,
                 bm.num_total_blocks,
@@ -183,6 +183,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if isinstance(self.admission, AdmissionFeedback):
+            self.admission.record_exhaustion()
         self.waiting.appendleft(request)
 
     # -- endings ----------------------------------------------------------------
@@ -207,3 +209,8 @@ class Scheduler:
         self.block_manager.free(request_id)
         self.block_manager.release_held(request_id)
         return found
+
+
+def _future_max_tokens(request: Request) -> int:
+    """The most tokens a request may still grow to: a prefill-only one stops at its first."""
+    return 1 if request.prefill_only else request.sampling.max_tokens
