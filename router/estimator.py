@@ -303,6 +303,9 @@ class PastFutureAdmission:
     ) -> bool:
         if math.ceil((num_prompt_tokens + 1) / block_size) > num_free_blocks:
             return False
+        if not running:
+            # Nothing to protect: waiting cannot make room, so refusing would only stall.
+            return True
         held = sum(r.num_tokens_held for r in running)
         used_tokens = (num_total_blocks - num_free_blocks) * block_size
         other_tokens = max(0, used_tokens - held)

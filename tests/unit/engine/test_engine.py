@@ -282,7 +282,9 @@ def test_adopted_request_survives_preemption_with_the_same_tokens() -> None:
     p = prompt(10)
     reference = serve(make_engine(block_size=BS), [EngineRequest("x", p, greedy(30))])["x"]
     # 10 blocks of 4: x (up to 40 tokens) competes with an older request and is preempted.
-    engine = make_engine(block_size=BS, kv_cache_bytes=10 * 2 * 2 * 2 * BS * 16 * 4)
+    engine = make_engine(
+        block_size=BS, kv_cache_bytes=10 * 2 * 2 * 2 * BS * 16 * 4, admission="blocks"
+    )
     engine.add_request(EngineRequest("old", prompt(6, start=90), greedy(30)))
     engine.step()
     ids = engine.adopt(EngineRequest("x", p, greedy(30), output_token_ids=(reference[0],)))

@@ -78,7 +78,9 @@ def test_preemption_under_a_small_pool_equals_hf(kind: str, oracle: Any) -> None
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     block_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * BLOCK_SIZE * head_dim * 4
     # 48 blocks = 192 tokens: the longest request (114) fits, all eight (700) do not.
-    engine = make_engine(ckpt.folder, block_size=BLOCK_SIZE, kv_cache_bytes=48 * block_bytes)
+    engine = make_engine(
+        ckpt.folder, block_size=BLOCK_SIZE, kv_cache_bytes=48 * block_bytes, admission="blocks"
+    )
     assert engine.stats().num_total_blocks == 48
     got = serve(engine, requests(make_prompts(cfg.vocab_size)))
     assert [got[f"r{i}"] for i in range(len(PROMPT_LENS))] == expected
