@@ -118,6 +118,9 @@ class HolderProcess:
         while time.monotonic() < deadline:
             self._drain(0.01)
 
+    def progress(self) -> None:
+        """The child process drives its own progress loop."""
+
     def kill(self) -> None:
         self.process.kill()
         self.process.join(5)
@@ -150,3 +153,57 @@ class HolderProcess:
                     raise RuntimeError(f"expected {kind!r}, got {msg!r}")
                 return msg
         raise TimeoutError(f"no {kind!r} from the holder within {timeout_s} s")
+
+
+class InProcessHolder:
+    """The same interface as HolderProcess for the in-process ``local`` backend."""
+
+    def __init__(self, spec: HolderSpec) -> None:
+        self.spec = spec
+        self.conn = make_connector(
+            spec.backend, lease_s=spec.lease_s, transfer_timeout_s=spec.transfer_timeout_s
+        )
+        dtype = getattr(torch, spec.layout.dtype)
+        self.pool = torch.empty((spec.num_blocks, *spec.layout.block_shape), dtype=dtype)
+        for b in range(spec.num_blocks):
+            fill_block(self.pool[b], spec.seed, b)
+        self.conn.register(REGION, self.pool, spec.layout)
+        self.agent_name = self.conn.agent_name
+        self.released: dict[str, list[list[int]]] = {}
+
+    def hold(self, block_ids: list[int], lease_s: float | None = None) -> BlockHandle:
+        box: list[str] = []
+
+        def on_release(ids: Any) -> None:
+            self.released.setdefault(box[0], []).append(list(ids))
+
+        handle = self.conn.hold(REGION, block_ids, lease_s=lease_s, on_release=on_release)
+        box.append(handle.transfer_id)
+        return handle
+
+    def release(self, transfer_id: str) -> None:
+        self.conn.release(transfer_id)
+
+    def wait_released(self, transfer_id: str, timeout_s: float = 10.0) -> list[list[int]]:
+        deadline = time.monotonic() + timeout_s
+        while transfer_id not in self.released and time.monotonic() < deadline:
+            self.conn.progress()
+            time.sleep(0.001)
+        return self.released.get(transfer_id, [])
+
+    def settle(self, duration_s: float) -> None:
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline:
+            self.conn.progress()
+            time.sleep(0.005)
+
+    def progress(self) -> None:
+        self.conn.progress()
+
+    def stop(self) -> None:
+        self.conn.close()
+
+
+def start_holder(spec: HolderSpec) -> HolderProcess | InProcessHolder:
+    """``local`` runs in this process; every other backend in a spawned OS process."""
+    return InProcessHolder(spec) if spec.backend == "local" else HolderProcess(spec)
