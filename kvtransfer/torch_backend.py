@@ -63,6 +63,15 @@ def _held_tensor(region: Region, block_ids: tuple[int, ...]) -> torch.Tensor:
     return region.tensor[list(block_ids)]
 
 
+def _scatter(pool: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
+    first = block_ids[0]
+    if block_ids == list(range(first, first + len(block_ids))):
+        pool[first : first + len(block_ids)].copy_(blocks)
+    else:
+        index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+        pool.index_copy_(0, index, blocks)
+
+
 @dataclass(slots=True)
 class _Pull:
     transfer_id: str
@@ -170,6 +179,7 @@ class TorchConnector:
 
     def _serve_pull(self, sock: socket.socket) -> None:
         sock.settimeout(self.transfer_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small rendezvous messages
         tid = ""
         pinned = False
         try:
@@ -246,6 +256,7 @@ class TorchConnector:
     ) -> None:
         try:
             with socket.create_connection((host, port), timeout=self.transfer_timeout_s) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 send_msg(sock, {"transfer_id": pull.transfer_id})
                 reply = recv_msg(sock)
                 if not reply.get("ok"):
@@ -267,7 +278,7 @@ class TorchConnector:
                 with pull.lock:
                     if pull.cancelled:
                         return
-                    local.tensor[local_ids] = staging
+                    _scatter(local.tensor, local_ids, staging)
                     pull.state = TransferState.DONE
                 send_msg(sock, {"op": "done"})
         except (OSError, ConnectionError, RuntimeError, TimeoutError, KVTransferError) as exc:

@@ -41,8 +41,8 @@ BACKENDS = [
 ]
 
 SMALL = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
-# 1 MiB per block: 4 layers x K/V x 4 heads x 16 tokens x 256 dims x 4 bytes
-BIG = KVLayout(num_layers=4, block_size=16, num_kv_heads=4, head_dim=256, dtype="float32")
+# 1 MiB per block: 8 layers x K/V x 4 heads x 16 tokens x 256 dims x 4 bytes
+BIG = KVLayout(num_layers=8, block_size=16, num_kv_heads=4, head_dim=256, dtype="float32")
 HOLDER_BLOCKS = 96
 PULLER_BLOCKS = 64
 TIMEOUT_S = 3.0
