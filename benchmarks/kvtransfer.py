@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtransfer import KVConnector, KVLayout, TransferState, make_connector  # noqa: E402
+from kvtransfer import KVConnector, KVLayout, TransferState, make_connector
 
 MIB = 1 << 20
 BIG = KVLayout(num_layers=8, block_size=16, num_kv_heads=4, head_dim=256, dtype="float32")
