@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtransfer.connector import KVConnector, KVTransferError, ReleaseCallback, UnknownHandleError
+from kvtransfer.memory import advise_huge_pages, alloc_region
 from kvtransfer.types import BlockHandle, KVLayout, LayoutMismatchError, TransferState
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "ReleaseCallback",
     "TransferState",
     "UnknownHandleError",
+    "advise_huge_pages",
+    "alloc_region",
     "available_backends",
     "make_connector",
 ]
