@@ -75,7 +75,7 @@ def hf_tiny(loaded: LoadedModel) -> Any:
         tie_word_embeddings=a.tie_word_embeddings,
     )
     model = LlamaForCausalLM(cfg)
-    state = {k: v for k, v in loaded.model.state_dict().items() if not k.startswith("rotary")}
+    state = {k: v for k, v in loaded.model.hf_state_dict().items() if not k.startswith("rotary")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if [k for k in missing if "rotary" not in k] or unexpected:
         raise RuntimeError(f"tiny -> HF weight mismatch: {missing} {unexpected}")
@@ -170,6 +170,12 @@ def run_hf(model: Any, prompts: list[list[int]], w: Workload, device: str) -> Ph
     return Phases(batch * w.prompt_len / prefill_s, batch * w.num_new_tokens / decode_s)
 
 
+def best(runs: list[Phases]) -> Phases:
+    return Phases(
+        max(r.prefill_tokens_per_s for r in runs), max(r.decode_tokens_per_s for r in runs)
+    )
+
+
 def bench_model(
     name: str,
     loaded: LoadedModel,
@@ -177,6 +183,7 @@ def bench_model(
     w: Workload,
     batches: list[int],
     device: str,
+    repeats: int,
     emit: Callable[[dict[str, Any]], None],
 ) -> None:
     hf_model = hf_model.to(device).float().eval()
@@ -186,8 +193,14 @@ def bench_model(
     run_hf(hf_model, warm, Workload(8, 2), device)
     for batch in batches:
         prompts = prompts_for(batch, w, vocab, seed=batch)
-        ours = run_ours(loaded, prompts, w, device)
-        base = run_hf(hf_model, prompts, w, device)
+        # Alternate the two and keep each one's best: on a shared machine the noise is one-sided.
+        runs = [(run_ours(loaded, prompts, w, device), run_hf(hf_model, prompts, w, device))]
+        runs += [
+            (run_ours(loaded, prompts, w, device), run_hf(hf_model, prompts, w, device))
+            for _ in range(repeats - 1)
+        ]
+        ours = best([o for o, _ in runs])
+        base = best([b for _, b in runs])
         for phase, mine, theirs in (
             ("prefill", ours.prefill_tokens_per_s, base.prefill_tokens_per_s),
             ("decode", ours.decode_tokens_per_s, base.decode_tokens_per_s),
@@ -215,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--models", default="tiny,llama100m")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each; the best is kept")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -229,7 +243,9 @@ def main(argv: list[str] | None = None) -> None:
             case "tiny":
                 loaded = load_model("tiny", dtype="float32", device=args.device)
                 w = Workload(prompt_len=128, num_new_tokens=64)
-                bench_model(name, loaded, hf_tiny(loaded), w, batches, args.device, emit)
+                bench_model(
+                    name, loaded, hf_tiny(loaded), w, batches, args.device, args.repeats, emit
+                )
             case "llama100m":
                 with tempfile.TemporaryDirectory() as tmp:
                     hf_model = save_llama_100m(Path(tmp))
@@ -237,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                     w = Workload(
                         prompt_len=256 if on_gpu else 32, num_new_tokens=64 if on_gpu else 16
                     )
-                    bench_model(name, loaded, hf_model, w, batches, args.device, emit)
+                    bench_model(name, loaded, hf_model, w, batches, args.device, args.repeats, emit)
             case _:
                 raise SystemExit(f"unknown model {name!r}; known: tiny, llama100m")
 
