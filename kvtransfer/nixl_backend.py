@@ -27,9 +27,7 @@ progress thread is off: on few cores it is 3-8x slower than polling):
 
 from __future__ import annotations
 
-import base64
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -43,6 +41,7 @@ import torch
 
 from kvtransfer.connector import KVTransferError, ReleaseCallback, UnknownHandleError
 from kvtransfer.leases import Hold, LeaseTable
+from kvtransfer.nixl_peer import PeerInfo, strided_rows
 from kvtransfer.regions import Region, check_block_ids, check_pull, make_region
 from kvtransfer.states import StateTable
 from kvtransfer.types import BlockHandle, KVLayout, TransferState
@@ -56,36 +55,6 @@ _BOARD = "__lease_board__"
 _CHECK, _MARK = "check", "mark"
 
 
-@dataclass(frozen=True, slots=True)
-class _PeerInfo:
-    """What a puller needs to reach a hold; JSON in ``BlockHandle.peer_info``."""
-
-    metadata: bytes
-    base_addr: int
-    num_blocks: int
-    block_bytes: int
-    mem_type: str
-    device_id: int
-    board_addr: int
-    num_slots: int
-    slot: int
-    generation: int
-
-    def encode(self) -> bytes:
-        fields = {k: getattr(self, k) for k in self.__slots__ if k != "metadata"}
-        fields["metadata"] = base64.b64encode(self.metadata).decode()
-        return json.dumps(fields, separators=(",", ":")).encode()
-
-    @staticmethod
-    def decode(raw: bytes) -> _PeerInfo:
-        try:
-            fields = json.loads(raw)
-            fields["metadata"] = base64.b64decode(fields["metadata"])
-            return _PeerInfo(**fields)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise KVTransferError(f"malformed NIXL peer_info: {exc}") from exc
-
-
 @dataclass(slots=True)
 class _Pull:
     transfer_id: str
@@ -93,12 +62,8 @@ class _Pull:
     xfer: Any  # the live nixl_xfer_handle (data READ, then board READ)
     phase: str  # "data" READ, lease "check" READ, done "mark" WRITE
     landing: int  # our board index the holder's slot lands in
-    info: _PeerInfo
+    info: PeerInfo
     deadline_s: float
-
-
-def _strided(addr: int, length: int, device_id: int, count: int) -> np.ndarray:
-    return np.array([[addr, length, device_id, length, count]], dtype=np.int64)
 
 
 class NixlConnector:
@@ -126,7 +91,7 @@ class NixlConnector:
         self._board = torch.zeros(3 * num_board_slots, dtype=torch.int64)
         self._board_reg = self._agent.register_memory(self._board)
         self._board_local = self._agent.prep_xfer_dlist(
-            _LOCAL, _strided(self._board.data_ptr(), 8, 0, 3 * num_board_slots), "DRAM"
+            _LOCAL, strided_rows(self._board.data_ptr(), 8, 0, 3 * num_board_slots), "DRAM"
         )
         self._free_slots: deque[int] = deque(range(num_board_slots))
         self._free_landings: deque[int] = deque(range(2 * num_board_slots, 3 * num_board_slots))
@@ -173,7 +138,7 @@ class NixlConnector:
         self._board[slot] = generation
         hold = self._leases.add(region, block_ids, lease_s or self.lease_s, on_release, slot)
         self._slot_holds[slot] = hold.transfer_id
-        info = _PeerInfo(
+        info = PeerInfo(
             metadata=self._metadata,
             base_addr=reg.base_addr,
             num_blocks=reg.num_blocks,
@@ -225,7 +190,7 @@ class NixlConnector:
 
     def pull(self, handle: BlockHandle, region: str, local_block_ids: Sequence[int]) -> str:
         local = check_pull(self.name, self._regions, handle, region, local_block_ids)
-        info = _PeerInfo.decode(handle.peer_info)
+        info = PeerInfo.decode(handle.peer_info)
         tid = handle.transfer_id
         if handle.agent == self.agent_name and self._leases.get(tid) is None:
             raise UnknownHandleError(f"blocks of {tid!r} are not held")
@@ -239,7 +204,7 @@ class NixlConnector:
         remote = self._remote_dlist(
             peer,
             handle.region,
-            _strided(info.base_addr, info.block_bytes, info.device_id, info.num_blocks),
+            strided_rows(info.base_addr, info.block_bytes, info.device_id, info.num_blocks),
             info.mem_type,
         )
         xfer = self._agent.make_prepped_xfer(
@@ -312,7 +277,7 @@ class NixlConnector:
         board = self._remote_dlist(
             pull.peer,
             _BOARD,
-            _strided(pull.info.board_addr, 8, 0, 2 * pull.info.num_slots),
+            strided_rows(pull.info.board_addr, 8, 0, 2 * pull.info.num_slots),
             "DRAM",
         )
         landing = np.asarray([pull.landing], dtype=np.int32)
@@ -418,7 +383,7 @@ class NixlConnector:
 
     @staticmethod
     def _block_list(reg: Region) -> np.ndarray:
-        return _strided(reg.base_addr, reg.layout.block_bytes, _device_id(reg), reg.num_blocks)
+        return strided_rows(reg.base_addr, reg.layout.block_bytes, _device_id(reg), reg.num_blocks)
 
 
 def _mem_type(reg: Region) -> str:
