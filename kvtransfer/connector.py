@@ -15,6 +15,10 @@ typically a decode worker)::
          notification and calls free_fn(block_ids) exactly once
     P: conn.release(handle.transfer_id)   idempotent; also calls free_fn once
 
+``progress()`` must be called regularly by any process that holds blocks (it
+delivers completions and expires leases); ``on_release`` callbacks only ever
+run inside ``progress()``, ``release()`` or ``close()``, on the caller's thread.
+
 Ownership: until ``on_release`` fires, the holder's blocks belong to the
 connector's lease and must not be reused by the holder. The puller's
 ``local_block_ids`` belong to the puller throughout; on ``FAILED`` it frees
@@ -34,7 +38,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvtransfer.types import BlockHandle, KVLayout, TransferState
 
-__all__ = ["KVConnector", "KVTransferError", "ReleaseCallback", "UnknownHandleError"]
+__all__ = [
+    "KVConnector",
+    "KVTransferError",
+    "ReleaseCallback",
+    "ReportsOpenTransfers",
+    "UnknownHandleError",
+]
 
 ReleaseCallback = Callable[[Sequence[int]], None]
 
@@ -72,3 +82,15 @@ class KVConnector(Protocol):
     def progress(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ReportsOpenTransfers(Protocol):
+    """Opt-in capability (every built-in backend has it): what a puller still holds.
+
+    Counts pulls not yet final plus resources a finished pull has not yet given
+    back (NIXL transfer handles NIXL could not cancel yet, torch pull threads
+    still unwinding). Zero once everything a failure left behind is cleaned up.
+    """
+
+    def num_open_transfers(self) -> int: ...
