@@ -42,6 +42,10 @@ class SeqGroup:
     max_query_len: int
     max_blocks: int
     block_ids: torch.Tensor  # [S * max_blocks]: block tables, padded with block 0, flattened
+    # Every sequence is a fresh prompt (no cached context): attend to this step's own K/V
+    # with a plain causal mask, no gather. ``uniform``: all of equal length, no padding.
+    fresh: bool
+    uniform: bool
     mask: torch.Tensor  # [S, 1, group * max_query_len or 1, max_blocks * block_size]: 0 or -inf
 
 
@@ -104,6 +108,11 @@ def _build_group(
     tables = [batch.block_tables[i][:max_blocks] for i in seqs]
     block_ids = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int64)
     covers_all = num_seqs == len(batch.query_lens)
+    fresh = (
+        max_query_len > 1
+        and sliding_window is None
+        and all(c == q for c, q in zip(context_lens, group_query_lens.tolist()))
+    )
     if max_query_len == 1:
         token_index = None if covers_all else torch.from_numpy(starts[seqs]).to(device)
         row = col = None
@@ -119,21 +128,10 @@ def _build_group(
         # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
         query_pos = torch.zeros(num_seqs, max_query_len, dtype=torch.int64, device=device)
         query_pos[row, col] = positions if token_index is None else positions[token_index]
-    key_pos = torch.arange(max_blocks * block_size, device=device)
-    hidden = key_pos > query_pos[:, :, None]
-    if sliding_window is not None:
-        hidden |= key_pos <= query_pos[:, :, None] - sliding_window
-    # Additive, in the activation dtype: SDPA would convert a boolean mask in every layer.
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-    if max_query_len == 1:  # decode: one row per sequence, broadcast over heads
-        mask = bias[:, None]
+    if fresh:
+        mask = positions.new_empty(0)  # unused: causal attention needs no explicit mask
     else:
-        num_keys = key_pos.numel()
-        mask = (
-            bias[:, None, None]
-            .expand(num_seqs, 1, group, max_query_len, num_keys)
-            .reshape(num_seqs, 1, group * max_query_len, num_keys)
-        )
+        mask = _additive_mask(query_pos, max_blocks * block_size, group, sliding_window, dtype)
     return SeqGroup(
         token_index=token_index,
         row=row,
@@ -142,7 +140,34 @@ def _build_group(
         max_query_len=max_query_len,
         max_blocks=max_blocks,
         block_ids=torch.from_numpy(block_ids.reshape(-1)).to(device),
+        fresh=fresh,
+        uniform=bool((group_query_lens == max_query_len).all()),
         mask=mask,
+    )
+
+
+def _additive_mask(
+    query_pos: torch.Tensor,
+    num_keys: int,
+    group: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """0 where a query ([S, qlen] positions) may see a key, else -inf; heads folded in."""
+    num_seqs, max_query_len = query_pos.shape
+    key_pos = torch.arange(num_keys, device=query_pos.device)
+    hidden = key_pos > query_pos[:, :, None]
+    if sliding_window is not None:
+        hidden |= key_pos <= query_pos[:, :, None] - sliding_window
+    # Additive, in the activation dtype: SDPA would convert a boolean mask in every layer.
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=query_pos.device)
+    bias.masked_fill_(hidden, float("-inf"))
+    if max_query_len == 1:  # decode: one row per sequence, broadcast over heads
+        return bias[:, None]
+    return (
+        bias[:, None, None]
+        .expand(num_seqs, 1, group, max_query_len, num_keys)
+        .reshape(num_seqs, 1, group * max_query_len, num_keys)
     )
 
 
@@ -157,37 +182,27 @@ def write_kv(pool: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: to
 
 
 def paged_attention(
-    q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    pool: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
-    """q [T, heads, head_dim] -> [T, heads * head_dim], attending over the cached context."""
+    """q [T, heads, d] (and this step's k/v [T, kv_heads, d]) -> [T, heads * d].
+
+    The new K/V must already be in ``pool``; they are passed too so that fresh
+    prompts can skip the gather.
+    """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = pool.shape[1], pool.shape[3]
-    group = num_heads // num_kv_heads
     out: torch.Tensor | None = None
     for g in meta.groups:
-        s, qlen = g.num_seqs, g.max_query_len
-        k_v = pool.index_select(2, g.block_ids).view(
-            2, num_kv_heads, s, g.max_blocks * block_size, head_dim
-        )
-        k, v = k_v[0].transpose(0, 1), k_v[1].transpose(0, 1)
-        q_group = q if g.token_index is None else q[g.token_index]
-        if qlen == 1:
-            q_fold = q_group.view(s, num_kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
-            o_tokens = o.view(s, num_heads * head_dim)
+        if g.max_query_len == 1:
+            o_tokens = _decode(q, pool, g, scale)
+        elif g.fresh:
+            o_tokens = _fresh_prefill(q, k_new, v_new, g, scale)
         else:
-            assert g.row is not None and g.col is not None
-            q_pad = q.new_zeros(s, qlen, num_heads, head_dim)
-            q_pad[g.row, g.col] = q_group
-            # [S, qlen, kvh, group, d] -> [S, kvh, group * qlen, d]: heads sharing a KV head stack up.
-            q_fold = (
-                q_pad.view(s, qlen, num_kv_heads, group, head_dim)
-                .permute(0, 2, 3, 1, 4)
-                .reshape(s, num_kv_heads, group * qlen, head_dim)
-            )
-            o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
-            o = o.view(s, num_kv_heads, group, qlen, head_dim).permute(0, 3, 1, 2, 4)
-            o_tokens = o[g.row, g.col].reshape(-1, num_heads * head_dim)
+            o_tokens = _chunk(q, pool, g, scale)
         if g.token_index is None:
             return o_tokens
         if out is None:
@@ -195,3 +210,80 @@ def paged_attention(
         out[g.token_index] = o_tokens
     assert out is not None
     return out
+
+
+def _gather(pool: torch.Tensor, g: SeqGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the group's whole blocks, [S, kv_heads, max_blocks * block_size, d]."""
+    num_kv_heads, block_size, head_dim = pool.shape[1], pool.shape[3], pool.shape[4]
+    k_v = pool.index_select(2, g.block_ids).view(
+        2, num_kv_heads, g.num_seqs, g.max_blocks * block_size, head_dim
+    )
+    return k_v[0].transpose(0, 1), k_v[1].transpose(0, 1)
+
+
+def _decode(q: torch.Tensor, pool: torch.Tensor, g: SeqGroup, scale: float) -> torch.Tensor:
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = pool.shape[1]
+    k, v = _gather(pool, g)
+    q_group = q if g.token_index is None else q[g.token_index]
+    q_fold = q_group.view(g.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
+    return o.view(g.num_seqs, num_heads * head_dim)
+
+
+def _chunk(q: torch.Tensor, pool: torch.Tensor, g: SeqGroup, scale: float) -> torch.Tensor:
+    """Chunks after a cached prefix: padded queries over the gathered context."""
+    assert g.row is not None and g.col is not None
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = pool.shape[1]
+    group = num_heads // num_kv_heads
+    s, qlen = g.num_seqs, g.max_query_len
+    k, v = _gather(pool, g)
+    q_pad = q.new_zeros(s, qlen, num_heads, head_dim)
+    q_pad[g.row, g.col] = q if g.token_index is None else q[g.token_index]
+    # [S, qlen, kvh, group, d] -> [S, kvh, group * qlen, d]: heads sharing a KV head stack up.
+    q_fold = (
+        q_pad.view(s, qlen, num_kv_heads, group, head_dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(s, num_kv_heads, group * qlen, head_dim)
+    )
+    o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
+    o = o.view(s, num_kv_heads, group, qlen, head_dim).permute(0, 3, 1, 2, 4)
+    return o[g.row, g.col].reshape(-1, num_heads * head_dim)
+
+
+def _fresh_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: SeqGroup, scale: float
+) -> torch.Tensor:
+    """Whole prompts from position 0: causal attention over the step's own K/V."""
+    _, num_heads, head_dim = q.shape
+    s, qlen = g.num_seqs, g.max_query_len
+    tensors = [t if g.token_index is None else t[g.token_index] for t in (q, k, v)]
+    if g.uniform:
+        q4, k4, v4 = (t.view(s, qlen, t.shape[1], head_dim).transpose(1, 2) for t in tensors)
+    else:
+        assert g.row is not None and g.col is not None
+        padded = []
+        for t in tensors:
+            p = t.new_zeros(s, qlen, t.shape[1], head_dim)
+            p[g.row, g.col] = t
+            padded.append(p.transpose(1, 2))
+        q4, k4, v4 = padded
+    # Padding rows (past a short prompt) attend to padding keys; they are dropped below.
+    o = _causal_sdpa(q4, k4, v4, scale).transpose(1, 2)  # [S, qlen, heads, d]
+    if g.uniform:
+        return o.reshape(s * qlen, num_heads * head_dim)
+    return o[g.row, g.col].reshape(-1, num_heads * head_dim)
+
+
+_HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if _HAS_ENABLE_GQA:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -133,7 +133,7 @@ class Attention(nn.Module):
             qk = torch.cat((q_normed, rms_norm(qk[:, h:], self.k_norm.weight, self.eps)), dim=1)
         qk = apply_rotary(qk, *cos_sin)
         write_kv(pool, meta, qk[:, h:], v)
-        o = paged_attention(qk[:, :h], pool, meta, self.scale)
+        o = paged_attention(qk[:, :h], qk[:, h:], v, pool, meta, self.scale)
         return F.linear(o, self.o_proj.weight, self.o_proj.bias)
 
 

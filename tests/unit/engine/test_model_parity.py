@@ -38,6 +38,7 @@ class PagedRunner:
         """Run new tokens for several sequences at once; return each one's [q, vocab] logits."""
         ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
         for seq, new in work:
+            assert new, "a scheduled sequence runs at least one token"
             start = self.lens.get(seq, 0)
             table = self.tables.setdefault(seq, [])
             for pos in range(start, start + len(new)):
@@ -94,15 +95,22 @@ def test_prompt_in_two_chunks_reuses_the_cache(pair: tuple[HFCheckpoint, LoadedM
 
 def test_mixed_batch_of_chunks_and_decodes(pair: tuple[HFCheckpoint, LoadedModel]) -> None:
     ckpt, loaded = pair
-    seqs = {"a": _tokens(11, seed=3), "b": _tokens(5, seed=4), "c": _tokens(17, seed=5)}
+    seqs = {
+        "a": _tokens(11, seed=3),
+        "b": _tokens(5, seed=4),
+        "c": _tokens(18, seed=5),
+        "d": _tokens(6, seed=6),
+        "e": _tokens(9, seed=7),
+    }
     # Each step: (seq, how many of its next tokens). Prefill chunks of various lengths run
     # beside decodes (1 token), and sequences join and leave the batch.
     schedule = [
         [("a", 8), ("b", 2)],
         [("a", 1), ("b", 3), ("c", 6)],
         [("a", 1), ("b", 0), ("c", 7)],
-        [("a", 1), ("c", 1)],
-        [("c", 1)],
+        [("a", 1), ("c", 1), ("d", 6)],  # a fresh prompt beside decodes
+        [("c", 1), ("d", 0), ("e", 4)],
+        [("e", 5), ("c", 1)],
         [("c", 1), ("c2", 0)],
         [("c", 1)],
     ]
