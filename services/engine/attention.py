@@ -12,10 +12,13 @@ long chunk does not pad every decode row to its length. Query heads are folded
 onto their KV head (``[S, kv_heads, group * q_len, head_dim]``), so K/V are never
 repeated for grouped-query attention.
 
-Layers see the pool as ``kv.permute(1, 2, 3, 0, 4, 5)[layer]``, i.e.
-``[2, kv_heads, num_blocks, block_size, head_dim]``: selecting blocks along the
-block dim lays each sequence's keys out contiguously in one copy. At decode on
-a CPU most of a step is per-op overhead, so the code counts ops.
+The pool is addressed as flat rows (``PoolView``): one head's block
+(``block_size * head_dim`` contiguous values) for gathers, one token of one
+head for writes. Row indices are computed once per step for layer 0 and shifted
+per layer, so each layer's gather is one contiguous ``index_select`` and each
+write one ``index_copy_``; selecting the rows in (k/v, head, sequence, block)
+order lays every sequence's keys out contiguously, with no second copy. At
+decode on a CPU most of a step is per-op overhead, so the code counts ops.
 """
 
 from __future__ import annotations
@@ -28,7 +31,38 @@ import torch.nn.functional as F
 
 from services.engine.batch import ForwardBatch
 
-__all__ = ["AttentionMetadata", "SeqGroup", "layer_pools", "paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "PoolView", "SeqGroup", "paged_attention", "write_kv"]
+
+
+@dataclass(slots=True)
+class PoolView:
+    """``kv[num_blocks, layers, 2, kv_heads, block_size, head_dim]`` as flat rows (no copy)."""
+
+    block_rows: torch.Tensor  # [num_blocks * layers * 2 * kv_heads, block_size * head_dim]
+    token_rows: torch.Tensor  # [num_blocks * layers * 2 * kv_heads * block_size, head_dim]
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, kv: torch.Tensor) -> PoolView:
+        if not kv.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor")
+        _, num_layers, _, num_kv_heads, block_size, head_dim = kv.shape
+        return cls(
+            block_rows=kv.view(-1, block_size * head_dim),
+            token_rows=kv.view(-1, head_dim),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            head_dim=head_dim,
+        )
+
+    @property
+    def heads_per_block(self) -> int:
+        """Block rows per (block, layer): K and V of every head."""
+        return 2 * self.num_kv_heads
 
 
 @dataclass(slots=True)
@@ -41,7 +75,7 @@ class SeqGroup:
     num_seqs: int
     max_query_len: int
     max_blocks: int
-    block_ids: torch.Tensor  # [S * max_blocks]: block tables, padded with block 0, flattened
+    gather_rows: torch.Tensor  # [2 * kv_heads * S * max_blocks] block rows of layer 0
     # Every sequence is a fresh prompt (no cached context): attend to this step's own K/V
     # with a plain causal mask, no gather. ``uniform``: all of equal length, no padding.
     fresh: bool
@@ -51,8 +85,9 @@ class SeqGroup:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    write_blocks: torch.Tensor  # [T]
-    write_offsets: torch.Tensor  # [T]
+    write_rows: (
+        torch.Tensor
+    )  # [T * 2 * kv_heads] token rows of layer 0, in (token, k/v, head) order
     groups: list[SeqGroup]
 
     @classmethod
@@ -60,7 +95,7 @@ class AttentionMetadata:
         cls,
         batch: ForwardBatch,
         *,
-        block_size: int,
+        pool: PoolView,
         num_queries_per_kv: int,
         sliding_window: int | None,
         device: torch.device,
@@ -74,16 +109,18 @@ class AttentionMetadata:
             if seqs.size:
                 groups.append(
                     _build_group(
-                        batch, seqs, query_lens, starts, positions, block_size,
+                        batch, seqs, query_lens, starts, positions, pool,
                         num_queries_per_kv, sliding_window, device, dtype,
                     )
                 )  # fmt: skip
         slots = batch.slot_mapping.to(device)
-        return cls(
-            write_blocks=torch.div(slots, block_size, rounding_mode="floor"),
-            write_offsets=slots % block_size,
-            groups=groups,
-        )
+        bs, per_block = pool.block_size, pool.heads_per_block
+        blocks = torch.div(slots, bs, rounding_mode="floor")
+        # token row = ((block * layers + layer) * 2 * kv_heads + c * kv_heads + h) * bs + offset
+        first = blocks * (pool.num_layers * per_block * bs) + slots % bs
+        head_offsets = torch.arange(per_block, device=device) * bs
+        write_rows = (first[:, None] + head_offsets).view(-1)
+        return cls(write_rows=write_rows, groups=groups)
 
 
 def _build_group(
@@ -92,7 +129,7 @@ def _build_group(
     query_lens: np.ndarray,
     starts: np.ndarray,
     positions: torch.Tensor,
-    block_size: int,
+    pool: PoolView,
     group: int,
     sliding_window: int | None,
     device: torch.device,
@@ -104,6 +141,7 @@ def _build_group(
     group_query_lens = query_lens[seqs]
     max_query_len = int(group_query_lens.max())
     context_lens = [batch.context_lens[i] for i in seqs]
+    block_size = pool.block_size
     max_blocks = -(-max(context_lens) // block_size)
     tables = [batch.block_tables[i][:max_blocks] for i in seqs]
     block_ids = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int64)
@@ -139,7 +177,7 @@ def _build_group(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         max_blocks=max_blocks,
-        block_ids=torch.from_numpy(block_ids.reshape(-1)).to(device),
+        gather_rows=_gather_rows(block_ids, pool, device),
         fresh=fresh,
         uniform=bool((group_query_lens == max_query_len).all()),
         mask=mask,
@@ -171,21 +209,28 @@ def _additive_mask(
     )
 
 
-def layer_pools(kv: torch.Tensor) -> torch.Tensor:
-    """``kv[num_blocks, layers, 2, kv_heads, bs, d]`` viewed as ``[layers, 2, kv_heads, num_blocks, bs, d]``."""
-    return kv.permute(1, 2, 3, 0, 4, 5)
+def _gather_rows(block_ids: np.ndarray, pool: PoolView, device: torch.device) -> torch.Tensor:
+    # block row = (block * layers + layer) * 2 * kv_heads + c * kv_heads + h, in (c, h, seq, block) order
+    per_block = pool.heads_per_block
+    first = block_ids.reshape(1, -1) * (pool.num_layers * per_block)
+    rows = first + np.arange(per_block, dtype=np.int64).reshape(-1, 1)
+    return torch.from_numpy(rows.reshape(-1)).to(device)
 
 
-def write_kv(pool: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new K/V ([T, kv_heads, head_dim]) into one layer's pool view."""
-    pool[:, :, meta.write_blocks, meta.write_offsets] = torch.stack((k, v)).transpose(1, 2)
+def write_kv(
+    pool: PoolView, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store new K/V ([T, kv_heads, head_dim]) of ``layer`` at the batch's slots."""
+    rows = meta.write_rows + layer * pool.heads_per_block * pool.block_size
+    pool.token_rows.index_copy_(0, rows, torch.stack((k, v), dim=1).view(-1, pool.head_dim))
 
 
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    pool: torch.Tensor,
+    pool: PoolView,
+    layer: int,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -198,11 +243,11 @@ def paged_attention(
     out: torch.Tensor | None = None
     for g in meta.groups:
         if g.max_query_len == 1:
-            o_tokens = _decode(q, pool, g, scale)
+            o_tokens = _decode(q, pool, layer, g, scale)
         elif g.fresh:
             o_tokens = _fresh_prefill(q, k_new, v_new, g, scale)
         else:
-            o_tokens = _chunk(q, pool, g, scale)
+            o_tokens = _chunk(q, pool, layer, g, scale)
         if g.token_index is None:
             return o_tokens
         if out is None:
@@ -212,33 +257,33 @@ def paged_attention(
     return out
 
 
-def _gather(pool: torch.Tensor, g: SeqGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(pool: PoolView, layer: int, g: SeqGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the group's whole blocks, [S, kv_heads, max_blocks * block_size, d]."""
-    num_kv_heads, block_size, head_dim = pool.shape[1], pool.shape[3], pool.shape[4]
-    k_v = pool.index_select(2, g.block_ids).view(
-        2, num_kv_heads, g.num_seqs, g.max_blocks * block_size, head_dim
+    rows = g.gather_rows + layer * pool.heads_per_block
+    k_v = pool.block_rows.index_select(0, rows).view(
+        2, pool.num_kv_heads, g.num_seqs, g.max_blocks * pool.block_size, pool.head_dim
     )
     return k_v[0].transpose(0, 1), k_v[1].transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, pool: torch.Tensor, g: SeqGroup, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, pool: PoolView, layer: int, g: SeqGroup, scale: float) -> torch.Tensor:
     _, num_heads, head_dim = q.shape
-    num_kv_heads = pool.shape[1]
-    k, v = _gather(pool, g)
+    num_kv_heads = pool.num_kv_heads
+    k, v = _gather(pool, layer, g)
     q_group = q if g.token_index is None else q[g.token_index]
     q_fold = q_group.view(g.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
     return o.view(g.num_seqs, num_heads * head_dim)
 
 
-def _chunk(q: torch.Tensor, pool: torch.Tensor, g: SeqGroup, scale: float) -> torch.Tensor:
+def _chunk(q: torch.Tensor, pool: PoolView, layer: int, g: SeqGroup, scale: float) -> torch.Tensor:
     """Chunks after a cached prefix: padded queries over the gathered context."""
     assert g.row is not None and g.col is not None
     _, num_heads, head_dim = q.shape
-    num_kv_heads = pool.shape[1]
+    num_kv_heads = pool.num_kv_heads
     group = num_heads // num_kv_heads
     s, qlen = g.num_seqs, g.max_query_len
-    k, v = _gather(pool, g)
+    k, v = _gather(pool, layer, g)
     q_pad = q.new_zeros(s, qlen, num_heads, head_dim)
     q_pad[g.row, g.col] = q if g.token_index is None else q[g.token_index]
     # [S, qlen, kvh, group, d] -> [S, kvh, group * qlen, d]: heads sharing a KV head stack up.

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionMetadata, layer_pools, paged_attention, write_kv
+from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
 from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
 from services.engine.rope import RotaryEmbedding, apply_rotary
@@ -119,10 +119,9 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        pool: torch.Tensor,
+        pool: PoolView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """``pool`` is this layer's view of the KV pool (see ``attention.layer_pools``)."""
         num_tokens, h = x.shape[0], self.num_heads
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         # q and k heads side by side, so RoPE runs once over both.
@@ -132,8 +131,8 @@ class Attention(nn.Module):
             q_normed = rms_norm(qk[:, :h], self.q_norm.weight, self.eps)
             qk = torch.cat((q_normed, rms_norm(qk[:, h:], self.k_norm.weight, self.eps)), dim=1)
         qk = apply_rotary(qk, *cos_sin)
-        write_kv(pool, meta, qk[:, h:], v)
-        o = paged_attention(qk[:, :h], qk[:, h:], v, pool, meta, self.scale)
+        write_kv(pool, self.layer_idx, meta, qk[:, h:], v)
+        o = paged_attention(qk[:, :h], qk[:, h:], v, pool, self.layer_idx, meta, self.scale)
         return F.linear(o, self.o_proj.weight, self.o_proj.bias)
 
 
@@ -161,7 +160,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        pool: torch.Tensor,
+        pool: PoolView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = rms_norm(x, self.input_layernorm.weight, self.eps)
@@ -203,9 +202,10 @@ class CausalLM(nn.Module):
         in the model's dtype and device.
         """
         device = self.model.embed_tokens.weight.device
+        pool = PoolView.of(kv)
         meta = AttentionMetadata.build(
             batch,
-            block_size=kv.shape[4],
+            pool=pool,
             num_queries_per_kv=self.args.num_queries_per_kv,
             sliding_window=self.args.sliding_window,
             device=device,
@@ -214,9 +214,8 @@ class CausalLM(nn.Module):
         x = F.embedding(batch.input_ids.to(device), self.model.embed_tokens.weight)
         positions = batch.positions.to(device)
         cos_sin = self.rotary.cos_sin(positions, max(batch.context_lens) - 1, x.dtype)
-        pools = layer_pools(kv)
-        for i, layer in enumerate(self.model.layers):
-            x = layer.forward(x, cos_sin, pools[i], meta)
+        for layer in self.model.layers:
+            x = layer.forward(x, cos_sin, pool, meta)
         return rms_norm(x, self.model.norm.weight, self.args.rms_norm_eps)
 
     @torch.no_grad()

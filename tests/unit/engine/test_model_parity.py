@@ -12,6 +12,7 @@ import torch
 from services.engine.batch import ForwardBatch
 from services.engine.loader import LoadedModel, load_model
 from services.engine.model import CausalLM
+from services.engine.rope import apply_rotary
 from tests.unit.engine.conftest import HFCheckpoint
 
 KINDS = ["llama", "llama_sharded", "llama3_rope", "mistral", "qwen2", "qwen3"]
@@ -148,3 +149,30 @@ def test_bfloat16_is_close_to_float32(hf_checkpoint: Callable[[str], HFCheckpoin
     assert ours.dtype == torch.float32
     assert (ours - ref).abs().max() < 0.1 * ref.abs().max()
     assert torch.equal(ours.argmax(-1)[:3], ref.argmax(-1)[:3])
+
+
+def test_kv_lands_in_the_contract_layout() -> None:
+    """K/V of token p go to kv[block, layer, 0 or 1, head, offset]: what KV transfer ships."""
+    loaded = load_model("tiny")
+    model, a = loaded.model, loaded.args
+    runner = PagedRunner(model, num_blocks=16, block_size=4)
+    ids = loaded.tokenizer.encode("paged!")
+    runner.step([("a", ids)])
+    layer0 = model.model.layers[0]
+    with torch.no_grad():
+        h = layer0.input_layernorm(model.model.embed_tokens(torch.tensor(ids)))
+        qkv = layer0.self_attn.qkv_proj(h)
+    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    k = qkv[:, q_dim : q_dim + kv_dim].view(len(ids), a.num_kv_heads, a.head_dim)
+    v = qkv[:, q_dim + kv_dim :].view(len(ids), a.num_kv_heads, a.head_dim)
+    cos, sin = model.rotary.cos_sin(torch.arange(len(ids)), len(ids), torch.float32)
+    k = apply_rotary(k, cos, sin)
+    written = torch.zeros(runner.kv.shape[0], runner.block_size, dtype=torch.bool)
+    for pos in range(len(ids)):
+        block, offset = runner.tables["a"][pos // 4], pos % 4
+        written[block, offset] = True
+        torch.testing.assert_close(runner.kv[block, 0, 0, :, offset], k[pos])
+        torch.testing.assert_close(runner.kv[block, 0, 1, :, offset], v[pos])
+        assert runner.kv[block, 1, :, :, offset].abs().sum() > 0  # layer 1 written too
+    untouched = runner.kv.permute(0, 4, 1, 2, 3, 5)[~written]
+    assert untouched.abs().sum() == 0
