@@ -85,9 +85,8 @@ class SeqGroup:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    write_rows: (
-        torch.Tensor
-    )  # [T * 2 * kv_heads] token rows of layer 0, in (token, k/v, head) order
+    # [T * 2 * kv_heads]: token rows of layer 0, in (token, k/v, head) order
+    write_rows: torch.Tensor
     groups: list[SeqGroup]
 
     @classmethod
