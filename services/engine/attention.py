@@ -4,46 +4,89 @@ Per step, ``AttentionMetadata.build`` turns a ``ForwardBatch`` into index
 tensors once; every layer then (1) writes the new tokens' K/V at their slots,
 (2) gathers each sequence's whole blocks through its block table, and (3) runs
 one ``scaled_dot_product_attention`` per group of sequences, padded to the
-group's longest query and context, with a boolean mask that is causal in
+group's longest query and context, with an additive mask that is causal in
 absolute positions (a query at position p sees keys 0..p of its own sequence).
 
 Decode sequences (one new token) and prefill chunks form separate groups, so a
 long chunk does not pad every decode row to its length. Query heads are folded
 onto their KV head (``[S, kv_heads, group * q_len, head_dim]``), so K/V are never
 repeated for grouped-query attention.
+
+The pool is addressed as flat rows (``PoolView``): one head's block
+(``block_size * head_dim`` contiguous values) for gathers, one token of one
+head for writes. Row indices are computed once per step for layer 0 and shifted
+per layer, so each layer's gather is one contiguous ``index_select`` and each
+write one ``index_copy_``; selecting the rows in (k/v, head, sequence, block)
+order lays every sequence's keys out contiguously, with no second copy. At
+decode on a CPU most of a step is per-op overhead, so the code counts ops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from services.engine.batch import ForwardBatch
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "PoolView", "SeqGroup", "paged_attention", "write_kv"]
+
+
+@dataclass(slots=True)
+class PoolView:
+    """``kv[num_blocks, layers, 2, kv_heads, block_size, head_dim]`` as flat rows (no copy)."""
+
+    block_rows: torch.Tensor  # [num_blocks * layers * 2 * kv_heads, block_size * head_dim]
+    token_rows: torch.Tensor  # [num_blocks * layers * 2 * kv_heads * block_size, head_dim]
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, kv: torch.Tensor) -> PoolView:
+        if not kv.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor")
+        _, num_layers, _, num_kv_heads, block_size, head_dim = kv.shape
+        return cls(
+            block_rows=kv.view(-1, block_size * head_dim),
+            token_rows=kv.view(-1, head_dim),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            head_dim=head_dim,
+        )
+
+    @property
+    def heads_per_block(self) -> int:
+        """Block rows per (block, layer): K and V of every head."""
+        return 2 * self.num_kv_heads
 
 
 @dataclass(slots=True)
 class SeqGroup:
     """Sequences attended by one SDPA call, padded to ``max_query_len`` x context."""
 
-    token_index: torch.Tensor  # [Tg]: the group's tokens in the step's [T] order
-    row: torch.Tensor  # [Tg]: each token's sequence row in the padded batch
-    col: torch.Tensor  # [Tg]: each token's query column in the padded batch
+    token_index: torch.Tensor | None  # [Tg] the group's tokens in step order; None: all, in order
+    row: torch.Tensor | None  # [Tg] each token's sequence row (chunks only)
+    col: torch.Tensor | None  # [Tg] each token's query column (chunks only)
     num_seqs: int
     max_query_len: int
-    block_ids: torch.Tensor  # [S * max_blocks]: block tables, padded with block 0, flattened
     max_blocks: int
-    covers_all_tokens: bool  # token_index is 0..T-1: the group is the whole step
+    gather_rows: torch.Tensor  # [2 * kv_heads * S * max_blocks] block rows of layer 0
+    # Every sequence is a fresh prompt (no cached context): attend to this step's own K/V
+    # with a plain causal mask, no gather. ``uniform``: all of equal length, no padding.
+    fresh: bool
+    uniform: bool
     mask: torch.Tensor  # [S, 1, group * max_query_len or 1, max_blocks * block_size]: 0 or -inf
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    write_blocks: torch.Tensor  # [T]
-    write_offsets: torch.Tensor  # [T]
+    # [T * 2 * kv_heads]: token rows of layer 0, in (token, k/v, head) order
+    write_rows: torch.Tensor
     groups: list[SeqGroup]
 
     @classmethod
@@ -51,142 +94,240 @@ class AttentionMetadata:
         cls,
         batch: ForwardBatch,
         *,
-        block_size: int,
+        pool: PoolView,
         num_queries_per_kv: int,
         sliding_window: int | None,
         device: torch.device,
         dtype: torch.dtype,
     ) -> AttentionMetadata:
+        query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+        starts = np.cumsum(query_lens) - query_lens
+        positions = batch.positions.to(device)
+        groups = []
+        for seqs in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens != 1)):
+            if seqs.size:
+                groups.append(
+                    _build_group(
+                        batch, seqs, query_lens, starts, positions, pool,
+                        num_queries_per_kv, sliding_window, device, dtype,
+                    )
+                )  # fmt: skip
         slots = batch.slot_mapping.to(device)
-        starts = [0]
-        for q in batch.query_lens:
-            starts.append(starts[-1] + q)
-        decode = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        chunks = [i for i, q in enumerate(batch.query_lens) if q != 1]
-        groups = [
-            _build_group(
-                batch, seqs, starts, block_size, num_queries_per_kv, sliding_window, device, dtype
-            )
-            for seqs in (decode, chunks)
-            if seqs
-        ]
-        return cls(
-            write_blocks=torch.div(slots, block_size, rounding_mode="floor"),
-            write_offsets=slots % block_size,
-            groups=groups,
-        )
+        bs, per_block = pool.block_size, pool.heads_per_block
+        blocks = torch.div(slots, bs, rounding_mode="floor")
+        # token row = ((block * layers + layer) * 2 * kv_heads + c * kv_heads + h) * bs + offset
+        first = blocks * (pool.num_layers * per_block * bs) + slots % bs
+        head_offsets = torch.arange(per_block, device=device) * bs
+        write_rows = (first[:, None] + head_offsets).view(-1)
+        return cls(write_rows=write_rows, groups=groups)
 
 
 def _build_group(
     batch: ForwardBatch,
-    seqs: list[int],
-    starts: list[int],
-    block_size: int,
+    seqs: np.ndarray,
+    query_lens: np.ndarray,
+    starts: np.ndarray,
+    positions: torch.Tensor,
+    pool: PoolView,
     group: int,
     sliding_window: int | None,
     device: torch.device,
     dtype: torch.dtype,
 ) -> SeqGroup:
-    # Index lists are built in Python and turned into tensors in one call each:
+    # Index arrays are built with numpy and become tensors in one call each:
     # per-sequence tensor ops would cost more than the attention itself at decode.
-    query_lens = [batch.query_lens[i] for i in seqs]
-    max_query_len = max(query_lens)
-    max_blocks = max(-(-batch.context_lens[i] // block_size) for i in seqs)
-    tables = []
-    for i in seqs:
-        table = batch.block_tables[i][:max_blocks]
-        tables.append(table + [0] * (max_blocks - len(table)))
-    token_index = [t for i in seqs for t in range(starts[i], starts[i] + batch.query_lens[i])]
-    token_index_t = torch.tensor(token_index, dtype=torch.int64, device=device)
-    query_pos_flat = batch.positions.to(device)[token_index_t]
-    if max_query_len == 1:
-        row_t = col_t = token_index_t  # unused for decode
-        query_pos = query_pos_flat[:, None]
-    else:
-        row = [r for r, q in enumerate(query_lens) for _ in range(q)]
-        col = [c for q in query_lens for c in range(q)]
-        row_t = torch.tensor(row, dtype=torch.int64, device=device)
-        col_t = torch.tensor(col, dtype=torch.int64, device=device)
-        # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
-        query_pos = torch.zeros(len(seqs), max_query_len, dtype=torch.int64, device=device)
-        query_pos[row_t, col_t] = query_pos_flat
-    key_pos = torch.arange(max_blocks * block_size, device=device)
-    allowed = key_pos <= query_pos[:, :, None]
-    if sliding_window is not None:
-        allowed &= key_pos > query_pos[:, :, None] - sliding_window
-    # An additive mask in the activation dtype: SDPA would convert a boolean one in every layer.
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
-        ~allowed, float("-inf")
+    num_seqs = int(seqs.size)
+    group_query_lens = query_lens[seqs]
+    max_query_len = int(group_query_lens.max())
+    context_lens = [batch.context_lens[i] for i in seqs]
+    block_size = pool.block_size
+    max_blocks = -(-max(context_lens) // block_size)
+    tables = [batch.block_tables[i][:max_blocks] for i in seqs]
+    block_ids = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int64)
+    covers_all = num_seqs == len(batch.query_lens)
+    fresh = (
+        max_query_len > 1
+        and sliding_window is None
+        and all(c == q for c, q in zip(context_lens, group_query_lens.tolist()))
     )
-    if max_query_len == 1:  # decode: one row per sequence, broadcast over heads
-        mask = bias[:, None]
+    if max_query_len == 1:
+        token_index = None if covers_all else torch.from_numpy(starts[seqs]).to(device)
+        row = col = None
+        query_pos = (positions if token_index is None else positions[token_index])[:, None]
     else:
-        mask = (
-            bias[:, None, None]
-            .expand(len(seqs), 1, group, max_query_len, key_pos.numel())
-            .reshape(len(seqs), 1, group * max_query_len, key_pos.numel())
+        row_np = np.repeat(np.arange(num_seqs), group_query_lens)
+        col_np = np.arange(row_np.size) - np.repeat(
+            np.cumsum(group_query_lens) - group_query_lens, group_query_lens
         )
+        token_np = starts[seqs][row_np] + col_np
+        token_index = None if covers_all else torch.from_numpy(token_np).to(device)
+        row, col = torch.from_numpy(row_np).to(device), torch.from_numpy(col_np).to(device)
+        # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
+        query_pos = torch.zeros(num_seqs, max_query_len, dtype=torch.int64, device=device)
+        query_pos[row, col] = positions if token_index is None else positions[token_index]
+    if fresh:
+        mask = positions.new_empty(0)  # unused: causal attention needs no explicit mask
+    else:
+        mask = _additive_mask(query_pos, max_blocks * block_size, group, sliding_window, dtype)
     return SeqGroup(
-        token_index=token_index_t,
-        row=row_t,
-        col=col_t,
-        num_seqs=len(seqs),
+        token_index=token_index,
+        row=row,
+        col=col,
+        num_seqs=num_seqs,
         max_query_len=max_query_len,
-        block_ids=torch.tensor(tables, dtype=torch.int64, device=device).view(-1),
         max_blocks=max_blocks,
-        covers_all_tokens=len(token_index) == batch.num_tokens,
+        gather_rows=_gather_rows(block_ids, pool, device),
+        fresh=fresh,
+        uniform=bool((group_query_lens == max_query_len).all()),
         mask=mask,
     )
 
 
+def _additive_mask(
+    query_pos: torch.Tensor,
+    num_keys: int,
+    group: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """0 where a query ([S, qlen] positions) may see a key, else -inf; heads folded in."""
+    num_seqs, max_query_len = query_pos.shape
+    key_pos = torch.arange(num_keys, device=query_pos.device)
+    hidden = key_pos > query_pos[:, :, None]
+    if sliding_window is not None:
+        hidden |= key_pos <= query_pos[:, :, None] - sliding_window
+    # Additive, in the activation dtype: SDPA would convert a boolean mask in every layer.
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=query_pos.device)
+    bias.masked_fill_(hidden, float("-inf"))
+    if max_query_len == 1:  # decode: one row per sequence, broadcast over heads
+        return bias[:, None]
+    return (
+        bias[:, None, None]
+        .expand(num_seqs, 1, group, max_query_len, num_keys)
+        .reshape(num_seqs, 1, group * max_query_len, num_keys)
+    )
+
+
+def _gather_rows(block_ids: np.ndarray, pool: PoolView, device: torch.device) -> torch.Tensor:
+    # block row = (block * layers + layer) * 2 * kv_heads + c * kv_heads + h, in (c, h, seq, block) order
+    per_block = pool.heads_per_block
+    first = block_ids.reshape(1, -1) * (pool.num_layers * per_block)
+    rows = first + np.arange(per_block, dtype=np.int64).reshape(-1, 1)
+    return torch.from_numpy(rows.reshape(-1)).to(device)
+
+
 def write_kv(
-    layer_kv: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
+    pool: PoolView, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store new K/V ([T, kv_heads, head_dim]) into ``layer_kv[num_blocks, 2, kv_heads, block_size, head_dim]``."""
-    layer_kv[meta.write_blocks, :, :, meta.write_offsets] = torch.stack((k, v), dim=1)
+    """Store new K/V ([T, kv_heads, head_dim]) of ``layer`` at the batch's slots."""
+    rows = meta.write_rows + layer * pool.heads_per_block * pool.block_size
+    pool.token_rows.index_copy_(0, rows, torch.stack((k, v), dim=1).view(-1, pool.head_dim))
 
 
 def paged_attention(
-    q: torch.Tensor, layer_kv: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    pool: PoolView,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
-    """q [T, heads, head_dim] -> [T, heads, head_dim], attending over the cached context."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block_size = layer_kv.shape[2], layer_kv.shape[3]
-    group = num_heads // num_kv_heads
-    out = q.new_empty(q.shape) if len(meta.groups) > 1 else q  # q is only a placeholder
+    """q [T, heads, d] (and this step's k/v [T, kv_heads, d]) -> [T, heads * d].
+
+    The new K/V must already be in ``pool``; they are passed too so that fresh
+    prompts can skip the gather.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    out: torch.Tensor | None = None
     for g in meta.groups:
-        s, qlen = g.num_seqs, g.max_query_len
-        q_group = q if g.covers_all_tokens else q[g.token_index]
-        if qlen == 1:
-            q_fold = q_group.reshape(s, num_kv_heads, group, head_dim)
+        if g.max_query_len == 1:
+            o_tokens = _decode(q, pool, layer, g, scale)
+        elif g.fresh:
+            o_tokens = _fresh_prefill(q, k_new, v_new, g, scale)
         else:
-            q_pad = q.new_zeros(s, qlen, num_heads, head_dim)
-            q_pad[g.row, g.col] = q_group
-            # [S, qlen, kvh, group, d] -> [S, kvh, group * qlen, d]: heads sharing a KV head stack up.
-            q_fold = (
-                q_pad.view(s, qlen, num_kv_heads, group, head_dim)
-                .permute(0, 2, 3, 1, 4)
-                .reshape(s, num_kv_heads, group * qlen, head_dim)
-            )
-        # One gather lays the context out as [2, kvh, S, blocks * block_size, d]: selecting
-        # blocks along a middle dim makes each sequence's keys contiguous, with no second copy.
-        k_v = (
-            layer_kv.permute(1, 2, 0, 3, 4)
-            .index_select(2, g.block_ids)
-            .view(2, num_kv_heads, s, g.max_blocks * block_size, head_dim)
-            .transpose(1, 2)
-        )
-        o = F.scaled_dot_product_attention(q_fold, k_v[0], k_v[1], attn_mask=g.mask, scale=scale)
-        if qlen == 1:
-            o_tokens = o.view(s, num_heads, head_dim)
-        else:
-            o = (
-                o.view(s, num_kv_heads, group, qlen, head_dim)
-                .permute(0, 3, 1, 2, 4)
-                .reshape(s, qlen, num_heads, head_dim)
-            )
-            o_tokens = o[g.row, g.col]
-        if g.covers_all_tokens:
+            o_tokens = _chunk(q, pool, layer, g, scale)
+        if g.token_index is None:
             return o_tokens
+        if out is None:
+            out = q.new_empty(num_tokens, num_heads * head_dim)
         out[g.token_index] = o_tokens
+    assert out is not None
     return out
+
+
+def _gather(pool: PoolView, layer: int, g: SeqGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the group's whole blocks, [S, kv_heads, max_blocks * block_size, d]."""
+    rows = g.gather_rows + layer * pool.heads_per_block
+    k_v = pool.block_rows.index_select(0, rows).view(
+        2, pool.num_kv_heads, g.num_seqs, g.max_blocks * pool.block_size, pool.head_dim
+    )
+    return k_v[0].transpose(0, 1), k_v[1].transpose(0, 1)
+
+
+def _decode(q: torch.Tensor, pool: PoolView, layer: int, g: SeqGroup, scale: float) -> torch.Tensor:
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = pool.num_kv_heads
+    k, v = _gather(pool, layer, g)
+    q_group = q if g.token_index is None else q[g.token_index]
+    q_fold = q_group.view(g.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
+    return o.view(g.num_seqs, num_heads * head_dim)
+
+
+def _chunk(q: torch.Tensor, pool: PoolView, layer: int, g: SeqGroup, scale: float) -> torch.Tensor:
+    """Chunks after a cached prefix: padded queries over the gathered context."""
+    assert g.row is not None and g.col is not None
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = pool.num_kv_heads
+    group = num_heads // num_kv_heads
+    s, qlen = g.num_seqs, g.max_query_len
+    k, v = _gather(pool, layer, g)
+    q_pad = q.new_zeros(s, qlen, num_heads, head_dim)
+    q_pad[g.row, g.col] = q if g.token_index is None else q[g.token_index]
+    # [S, qlen, kvh, group, d] -> [S, kvh, group * qlen, d]: heads sharing a KV head stack up.
+    q_fold = (
+        q_pad.view(s, qlen, num_kv_heads, group, head_dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(s, num_kv_heads, group * qlen, head_dim)
+    )
+    o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
+    o = o.view(s, num_kv_heads, group, qlen, head_dim).permute(0, 3, 1, 2, 4)
+    return o[g.row, g.col].reshape(-1, num_heads * head_dim)
+
+
+def _fresh_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: SeqGroup, scale: float
+) -> torch.Tensor:
+    """Whole prompts from position 0: causal attention over the step's own K/V."""
+    _, num_heads, head_dim = q.shape
+    s, qlen = g.num_seqs, g.max_query_len
+    tensors = [t if g.token_index is None else t[g.token_index] for t in (q, k, v)]
+    if g.uniform:
+        q4, k4, v4 = (t.view(s, qlen, t.shape[1], head_dim).transpose(1, 2) for t in tensors)
+    else:
+        assert g.row is not None and g.col is not None
+        padded = []
+        for t in tensors:
+            p = t.new_zeros(s, qlen, t.shape[1], head_dim)
+            p[g.row, g.col] = t
+            padded.append(p.transpose(1, 2))
+        q4, k4, v4 = padded
+    # Padding rows (past a short prompt) attend to padding keys; they are dropped below.
+    o = _causal_sdpa(q4, k4, v4, scale).transpose(1, 2)  # [S, qlen, heads, d]
+    if g.uniform:
+        return o.reshape(s * qlen, num_heads * head_dim)
+    return o[g.row, g.col].reshape(-1, num_heads * head_dim)
+
+
+_HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if _HAS_ENABLE_GQA:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

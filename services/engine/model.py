@@ -16,12 +16,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionMetadata, paged_attention, write_kv
+from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
 from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
-__all__ = ["FUSED_PROJECTIONS", "CausalLM", "RMSNorm", "fuse_checkpoint", "unfuse_checkpoint"]
+__all__ = [
+    "FUSED_PROJECTIONS",
+    "CausalLM",
+    "RMSNorm",
+    "fuse_checkpoint",
+    "rms_norm",
+    "unfuse_checkpoint",
+]
 
 # fused module -> the checkpoint modules concatenated (along the output dim) into it
 FUSED_PROJECTIONS = {
@@ -69,6 +76,15 @@ def unfuse_checkpoint(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[s
     return out
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Half types: normalise in float32 and cast back before the weight, as HF does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -76,12 +92,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Half types: normalise in float32 and cast back before the weight, as HF does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+# The forwards below call F.linear / rms_norm on the parameters rather than the
+# submodules: at decode on a CPU, module-call overhead is a visible share of a step.
 
 
 class Attention(nn.Module):
@@ -92,6 +107,7 @@ class Attention(nn.Module):
         self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
         self.scale = args.head_dim**-0.5
+        self.eps = args.rms_norm_eps
         q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qk_dim = q_dim + kv_dim
         self.qkv_proj = nn.Linear(args.hidden_size, q_dim + 2 * kv_dim, bias=args.qkv_bias)
@@ -103,21 +119,21 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv: torch.Tensor,
+        pool: PoolView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens, h = x.shape[0], self.num_heads
-        qkv = self.qkv_proj(x)
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         # q and k heads side by side, so RoPE runs once over both.
         qk = qkv[:, : self.qk_dim].view(num_tokens, h + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.qk_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+            q_normed = rms_norm(qk[:, :h], self.q_norm.weight, self.eps)
+            qk = torch.cat((q_normed, rms_norm(qk[:, h:], self.k_norm.weight, self.eps)), dim=1)
         qk = apply_rotary(qk, *cos_sin)
-        layer_kv = kv[:, self.layer_idx]
-        write_kv(layer_kv, meta, qk[:, h:], v)
-        o = paged_attention(qk[:, :h], layer_kv, meta, self.scale)
-        return self.o_proj(o.reshape(num_tokens, h * self.head_dim))
+        write_kv(pool, self.layer_idx, meta, qk[:, h:], v)
+        o = paged_attention(qk[:, :h], qk[:, h:], v, pool, self.layer_idx, meta, self.scale)
+        return F.linear(o, self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -127,13 +143,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
+        self.eps = args.rms_norm_eps
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -143,11 +160,13 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv: torch.Tensor,
+        pool: PoolView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = rms_norm(x, self.input_layernorm.weight, self.eps)
+        x = x + self.self_attn.forward(h, cos_sin, pool, meta)
+        h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
+        return x + self.mlp.forward(h)
 
 
 class DecoderStack(nn.Module):
@@ -183,22 +202,23 @@ class CausalLM(nn.Module):
         in the model's dtype and device.
         """
         device = self.model.embed_tokens.weight.device
+        pool = PoolView.of(kv)
         meta = AttentionMetadata.build(
             batch,
-            block_size=kv.shape[4],
+            pool=pool,
             num_queries_per_kv=self.args.num_queries_per_kv,
             sliding_window=self.args.sliding_window,
             device=device,
             dtype=self.model.embed_tokens.weight.dtype,
         )
-        x = self.model.embed_tokens(batch.input_ids.to(device))
+        x = F.embedding(batch.input_ids.to(device), self.model.embed_tokens.weight)
         positions = batch.positions.to(device)
         cos_sin = self.rotary.cos_sin(positions, max(batch.context_lens) - 1, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos_sin, kv, meta)
-        return self.model.norm(x)
+            x = layer.forward(x, cos_sin, pool, meta)
+        return rms_norm(x, self.model.norm.weight, self.args.rms_norm_eps)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        return F.linear(hidden, self.lm_head.weight).float()

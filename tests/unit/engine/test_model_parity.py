@@ -12,6 +12,7 @@ import torch
 from services.engine.batch import ForwardBatch
 from services.engine.loader import LoadedModel, load_model
 from services.engine.model import CausalLM
+from services.engine.rope import apply_rotary
 from tests.unit.engine.conftest import HFCheckpoint
 
 KINDS = ["llama", "llama_sharded", "llama3_rope", "mistral", "qwen2", "qwen3"]
@@ -38,6 +39,7 @@ class PagedRunner:
         """Run new tokens for several sequences at once; return each one's [q, vocab] logits."""
         ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
         for seq, new in work:
+            assert new, "a scheduled sequence runs at least one token"
             start = self.lens.get(seq, 0)
             table = self.tables.setdefault(seq, [])
             for pos in range(start, start + len(new)):
@@ -94,15 +96,22 @@ def test_prompt_in_two_chunks_reuses_the_cache(pair: tuple[HFCheckpoint, LoadedM
 
 def test_mixed_batch_of_chunks_and_decodes(pair: tuple[HFCheckpoint, LoadedModel]) -> None:
     ckpt, loaded = pair
-    seqs = {"a": _tokens(11, seed=3), "b": _tokens(5, seed=4), "c": _tokens(17, seed=5)}
+    seqs = {
+        "a": _tokens(11, seed=3),
+        "b": _tokens(5, seed=4),
+        "c": _tokens(18, seed=5),
+        "d": _tokens(6, seed=6),
+        "e": _tokens(9, seed=7),
+    }
     # Each step: (seq, how many of its next tokens). Prefill chunks of various lengths run
     # beside decodes (1 token), and sequences join and leave the batch.
     schedule = [
         [("a", 8), ("b", 2)],
         [("a", 1), ("b", 3), ("c", 6)],
         [("a", 1), ("b", 0), ("c", 7)],
-        [("a", 1), ("c", 1)],
-        [("c", 1)],
+        [("a", 1), ("c", 1), ("d", 6)],  # a fresh prompt beside decodes
+        [("c", 1), ("d", 0), ("e", 4)],
+        [("e", 5), ("c", 1)],
         [("c", 1), ("c2", 0)],
         [("c", 1)],
     ]
@@ -140,3 +149,30 @@ def test_bfloat16_is_close_to_float32(hf_checkpoint: Callable[[str], HFCheckpoin
     assert ours.dtype == torch.float32
     assert (ours - ref).abs().max() < 0.1 * ref.abs().max()
     assert torch.equal(ours.argmax(-1)[:3], ref.argmax(-1)[:3])
+
+
+def test_kv_lands_in_the_contract_layout() -> None:
+    """K/V of token p go to kv[block, layer, 0 or 1, head, offset]: what KV transfer ships."""
+    loaded = load_model("tiny")
+    model, a = loaded.model, loaded.args
+    runner = PagedRunner(model, num_blocks=16, block_size=4)
+    ids = loaded.tokenizer.encode("paged!")
+    runner.step([("a", ids)])
+    layer0 = model.model.layers[0]
+    with torch.no_grad():
+        h = layer0.input_layernorm(model.model.embed_tokens(torch.tensor(ids)))
+        qkv = layer0.self_attn.qkv_proj(h)
+    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    k = qkv[:, q_dim : q_dim + kv_dim].view(len(ids), a.num_kv_heads, a.head_dim)
+    v = qkv[:, q_dim + kv_dim :].view(len(ids), a.num_kv_heads, a.head_dim)
+    cos, sin = model.rotary.cos_sin(torch.arange(len(ids)), len(ids), torch.float32)
+    k = apply_rotary(k, cos, sin)
+    written = torch.zeros(runner.kv.shape[0], runner.block_size, dtype=torch.bool)
+    for pos in range(len(ids)):
+        block, offset = runner.tables["a"][pos // 4], pos % 4
+        written[block, offset] = True
+        torch.testing.assert_close(runner.kv[block, 0, 0, :, offset], k[pos])
+        torch.testing.assert_close(runner.kv[block, 0, 1, :, offset], v[pos])
+        assert runner.kv[block, 1, :, :, offset].abs().sum() > 0  # layer 1 written too
+    untouched = runner.kv.permute(0, 4, 1, 2, 3, 5)[~written]
+    assert untouched.abs().sum() == 0
