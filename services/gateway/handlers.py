@@ -1,0 +1,395 @@
+"""From a validated OpenAI request to tokens on the wire.
+
+    prepare      prompts -> token ids, SamplingParams per choice, context checks (400s)
+    run          one executor stream per choice (prompts x n), merged as they come
+    respond      SSE chunks, or one JSON body; usage; metrics per choice
+
+Placement errors (429) happen before the first byte: a stream's first event is
+awaited before the response starts, so the status code can still say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.engine.messages import InvalidRequestError, SamplingParams
+from services.gateway.errors import APIError, BadRequest, Overloaded
+from services.gateway.openai_format import DONE, Endpoint, Formatter, LogprobsAcc, sse, usage
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.service import GatewayService
+from services.workers.messages import TokenDelta
+
+__all__ = ["Generation", "prepare_chat", "prepare_completion", "respond"]
+
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    endpoint: Endpoint
+    formatter: Formatter
+    choices: tuple[Choice, ...]
+    num_prompt_tokens: int  # each prompt once, whatever n
+    stream: bool
+    continuous_usage: bool
+    logprobs: bool
+    echo_texts: tuple[str, ...] = ()
+
+
+def _sampling(
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    seed_offset: int,
+) -> SamplingParams:
+    stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=None if body.seed is None else body.seed + seed_offset,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+    try:
+        params.validate()
+    except InvalidRequestError as e:
+        raise BadRequest(str(e), e.param) from e
+    return params
+
+
+def _check_length(
+    svc: GatewayService, prompt: tuple[int, ...], max_tokens: int | None, prompt_param: str
+) -> int:
+    """The request's max_tokens, after checking the prompt fits the context."""
+    if not prompt:
+        raise BadRequest("the prompt is empty", prompt_param)
+    max_len = svc.max_model_len()
+    if max_len is None:
+        return max_tokens or 16
+    if len(prompt) >= max_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_len} tokens, but the prompt has "
+            f"{len(prompt)} tokens.",
+            prompt_param,
+        )
+    if max_tokens is None:
+        return max_len - len(prompt)
+    if len(prompt) + max_tokens > max_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_len} tokens. You requested "
+            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} "
+            "for the completion). Reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+    return max_tokens
+
+
+def _generation(
+    svc: GatewayService,
+    endpoint: Endpoint,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompts: Sequence[tuple[int, ...]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+) -> Generation:
+    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    choices: list[Choice] = []
+    for p_index, prompt in enumerate(prompts):
+        budget = _check_length(svc, prompt, max_tokens, prompt_param)
+        for j in range(body.n):
+            index = p_index * body.n + j
+            sampling = _sampling(body, budget, logprobs, j)
+            choices.append(Choice(index, p_index, f"{response_id}-{index}", prompt, sampling))
+    opts = body.stream_options
+    return Generation(
+        endpoint=endpoint,
+        formatter=Formatter(
+            endpoint,
+            response_id,
+            int(time.time()),
+            svc.model_name,
+            include_usage=bool(body.stream and opts and opts.include_usage),
+        ),
+        choices=tuple(choices),
+        num_prompt_tokens=sum(len(p) for p in prompts),
+        stream=body.stream,
+        continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
+        logprobs=logprobs is not None,
+    )
+
+
+def prepare_chat(
+    svc: GatewayService, body: ChatCompletionRequest, prompt: tuple[int, ...]
+) -> Generation:
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages")
+
+
+def prepare_completion(
+    svc: GatewayService, body: CompletionRequest, prompts: Sequence[tuple[int, ...]]
+) -> Generation:
+    if not prompts:
+        raise BadRequest("the prompt is empty", "prompt")
+    gen = _generation(svc, "completion", body, prompts, body.max_tokens, body.logprobs, "prompt")
+    if body.echo:
+        echo = tuple(svc.tokenizer.decode(p) for p in prompts)
+        gen = replace(gen, echo_texts=echo)
+    return gen
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+class _ChoiceMetrics:
+    def __init__(self, svc: GatewayService, arrival_s: float) -> None:
+        self._m = svc.metrics
+        self._model = svc.model_name
+        self._arrival_s = arrival_s
+        self._first_s: float | None = None
+        self._last_s = arrival_s
+        self.num_output_tokens = 0
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        now = time.monotonic()
+        if self._first_s is None:
+            self._first_s = now
+            self._m.ttft_s.labels(self._model).observe(now - self._arrival_s)
+        else:
+            self._m.itl_s.labels(self._model).observe(now - self._last_s)
+        self._last_s = now
+        self.num_output_tokens = delta.num_output_tokens
+
+    def on_finish(self, num_prompt_tokens: int) -> None:
+        m, model = self._m, self._model
+        m.e2e_s.labels(model).observe(self._last_s - self._arrival_s)
+        if self._first_s is not None and self.num_output_tokens > 1:
+            tpot = (self._last_s - self._first_s) / (self.num_output_tokens - 1)
+            m.tpot_s.labels(model).observe(tpot)
+        m.prompt_tokens.labels(model).inc(num_prompt_tokens)
+        m.generation_tokens.labels(model).inc(self.num_output_tokens)
+
+
+async def _merge(
+    streams: Sequence[AsyncIterator[TokenDelta]],
+) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """Items of several streams as they arrive, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, TokenDelta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[TokenDelta]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, maybe_item, error = await queue.get()
+            if error is not None:
+                raise error
+            if maybe_item is None:
+                remaining -= 1
+            else:
+                yield i, maybe_item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _events(
+    svc: GatewayService, gen: Generation, arrival_s: float
+) -> AsyncGenerator[tuple[int, TokenDelta], None]:
+    streams = [
+        svc.generate(c.request_id, c.prompt_token_ids, c.sampling, arrival_s) for c in gen.choices
+    ]
+    async for item in _merge(streams):
+        yield item
+
+
+async def respond(svc: GatewayService, gen: Generation, request: Request) -> Any:
+    if not svc.try_admit():
+        raise Overloaded("too many requests in flight", 1.0)
+    arrival_s = time.monotonic()
+    events = _events(svc, gen, arrival_s)
+    try:
+        first = await anext(events)  # placement errors become HTTP statuses here
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        svc.finish()
+        await events.aclose()
+        _count(svc, "rejected_or_error", len(gen.choices))
+        raise
+    if gen.stream:
+        return StreamingResponse(
+            _stream_body(svc, gen, events, first, arrival_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        return await _until_disconnect(_collect(svc, gen, events, first, arrival_s), request)
+    finally:
+        svc.finish()
+
+
+def _count(svc: GatewayService, outcome: str, n: int = 1) -> None:
+    svc.metrics.requests.labels(svc.model_name, outcome).inc(n)
+
+
+async def _until_disconnect(coro: Any, request: Request) -> Any:
+    """Await ``coro``; cancel it (aborting its requests) if the client hangs up."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return JSONResponse({"error": "client disconnected"}, status_code=499)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _collect(
+    svc: GatewayService,
+    gen: Generation,
+    events: AsyncIterator[tuple[int, TokenDelta]],
+    first: tuple[int, TokenDelta] | None,
+    arrival_s: float,
+) -> JSONResponse:
+    n = len(gen.choices)
+    texts = [""] * n
+    finish: list[str | None] = [None] * n
+    accs = [LogprobsAcc(gen.endpoint) for _ in range(n)]
+    timers = [_ChoiceMetrics(svc, arrival_s) for _ in range(n)]
+
+    def take(i: int, d: TokenDelta) -> None:
+        timers[i].on_delta(d)
+        texts[i] += d.text
+        if d.logprobs:
+            accs[i].add(svc.tokenizer, d.logprobs)
+        if d.finish_reason is not None:
+            finish[i] = d.finish_reason.value
+
+    try:
+        if first is not None:
+            take(*first)
+        async for i, d in events:
+            take(i, d)
+    except APIError:
+        _count(svc, "error", n)
+        raise
+    for i, c in enumerate(gen.choices):
+        timers[i].on_finish(len(c.prompt_token_ids))
+        if gen.echo_texts:
+            texts[i] = gen.echo_texts[c.prompt_index] + texts[i]
+    _count(svc, "success", n)
+    num_completion = sum(t.num_output_tokens for t in timers)
+    body = gen.formatter.response(
+        [(texts[i], finish[i], accs[i].render() if gen.logprobs else None) for i in range(n)],
+        usage(gen.num_prompt_tokens, num_completion),
+    )
+    return JSONResponse(body)
+
+
+async def _stream_body(
+    svc: GatewayService,
+    gen: Generation,
+    events: AsyncGenerator[tuple[int, TokenDelta], None],
+    first: tuple[int, TokenDelta] | None,
+    arrival_s: float,
+) -> AsyncIterator[bytes]:
+    fmt = gen.formatter
+    n = len(gen.choices)
+    timers = [_ChoiceMetrics(svc, arrival_s) for _ in range(n)]
+    outcome = "aborted"
+    try:
+        for c in gen.choices:
+            usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
+            if gen.endpoint == "chat":
+                yield sse(fmt.chunk(c.index, "", None, first=True, usage_now=usage_now))
+            elif gen.echo_texts:
+                yield sse(fmt.chunk(c.index, gen.echo_texts[c.prompt_index], None))
+        pending = [first] if first is not None else []
+        async for item in _chain(pending, events):
+            i, d = item
+            timers[i].on_delta(d)
+            logprobs = None
+            if gen.logprobs and d.logprobs:
+                acc = LogprobsAcc(gen.endpoint)
+                acc.add(svc.tokenizer, d.logprobs)
+                logprobs = acc.render()
+            finish = d.finish_reason.value if d.finish_reason is not None else None
+            if not d.text and finish is None and logprobs is None:
+                continue
+            usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
+            yield sse(fmt.chunk(i, d.text, finish, logprobs, usage_now=usage_now))
+        for i, c in enumerate(gen.choices):
+            timers[i].on_finish(len(c.prompt_token_ids))
+        if fmt.include_usage:
+            yield sse(fmt.usage_chunk(_running_usage(gen, timers)))
+        outcome = "success"
+        yield DONE
+    except APIError as e:
+        outcome = "error"
+        yield sse(e.body())
+        yield DONE
+    finally:
+        _count(svc, outcome, n)
+        svc.finish()
+        await events.aclose()
+
+
+def _running_usage(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> dict[str, int]:
+    return usage(gen.num_prompt_tokens, sum(t.num_output_tokens for t in timers))
+
+
+async def _chain(
+    head: list[tuple[int, TokenDelta]], rest: AsyncIterator[tuple[int, TokenDelta]]
+) -> AsyncIterator[tuple[int, TokenDelta]]:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item

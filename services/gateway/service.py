@@ -1,0 +1,163 @@
+"""The gateway's runtime: controller + cluster state + router policy + plan executor + metrics.
+
+``GatewayService`` is what the HTTP routes call. It takes the gateway, router
+and model sections of the config, a tokenizer and the worker specs with a
+launcher (Ray actors in ``baton serve``, in-process workers in unit tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from router.policy import Policy, available_policies, make_policy
+from router.types import Role
+from services.cluster.controller import Controller, ControllerConfig, Launcher
+from services.config import GatewayConfig, ModelConfig, RouterConfig
+from services.engine.messages import SamplingParams
+from services.gateway.executor import ExecutorConfig, PlanExecutor
+from services.gateway.state import ClusterState
+from services.gateway.tokens import Tokenizer
+from services.metrics import BatonMetrics
+from services.workers.client import WorkerClient
+from services.workers.messages import TokenDelta, WorkerSnapshot
+from services.workers.worker import WorkerSpec
+
+__all__ = ["GatewayService", "GatewaySettings", "choose_policy"]
+
+log = logging.getLogger(__name__)
+
+_FALLBACK_POLICY = "round_robin"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    gateway: GatewayConfig
+    router: RouterConfig
+    model: ModelConfig
+    kv_backend: str
+
+
+def choose_policy(name: str) -> tuple[str, Policy]:
+    """The configured policy, or round_robin (said loudly) while it is not available."""
+    if name not in available_policies():
+        log.warning(
+            "router policy %r is not available (have: %s); falling back to %r",
+            name,
+            ", ".join(available_policies()),
+            _FALLBACK_POLICY,
+        )
+        name = _FALLBACK_POLICY
+    return name, make_policy(name)
+
+
+class GatewayService:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer: Tokenizer,
+        specs: Sequence[WorkerSpec],
+        launch: Launcher,
+        *,
+        metrics: BatonMetrics | None = None,
+        controller_config: ControllerConfig | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = metrics or BatonMetrics()
+        self.state = ClusterState(settings.router.length_threshold_tokens)
+        self.controller = Controller(
+            specs,
+            launch,
+            on_snapshot=self._on_snapshot,
+            on_worker_down=self._on_worker_down,
+            config=controller_config,
+        )
+        self.policy_name, policy = choose_policy(settings.router.policy)
+        self.executor = PlanExecutor(
+            self.state,
+            self.controller.client,
+            policy,
+            self.metrics,
+            ExecutorConfig(
+                policy_name=self.policy_name,
+                kv_backend=settings.kv_backend,
+                max_hold_s=settings.router.max_hold_s,
+            ),
+            on_worker_died=self.controller.report_dead,
+        )
+        self.started_s = time.time()
+        self.draining = False
+        self._started = False
+        self._num_inflight = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model.public_name
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.controller.start()
+        self._started = True
+
+    async def stop(self) -> None:
+        self.draining = True
+        await self.controller.stop()
+
+    def is_ready(self) -> bool:
+        return self._started and not self.draining and bool(self.state.snapshots())
+
+    def max_model_len(self) -> int | None:
+        return self.state.max_model_len()
+
+    # -- requests ------------------------------------------------------------------------
+    def try_admit(self) -> bool:
+        """Count one request in flight, or refuse if the gateway is full."""
+        if self._num_inflight >= self.settings.gateway.max_inflight_requests:
+            return False
+        self._num_inflight += 1
+        self.metrics.inflight.inc()
+        return True
+
+    def finish(self) -> None:
+        self._num_inflight -= 1
+        self.metrics.inflight.dec()
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        arrival_s: float,
+    ) -> AsyncIterator[TokenDelta]:
+        return self.executor.run(request_id, prompt_token_ids, sampling, arrival_s)
+
+    def worker_client(self, worker_id: str) -> WorkerClient | None:
+        return self.controller.client(worker_id)
+
+    # -- telemetry -------------------------------------------------------------------------
+    def _on_snapshot(self, s: WorkerSnapshot) -> None:
+        self.state.update(s)
+        m, wid, role = self.metrics, s.worker_id, s.role.value
+        m.kv_blocks.labels(wid, role, "used").set(s.num_used_blocks)
+        m.kv_blocks.labels(wid, role, "free").set(s.num_free_blocks)
+        m.kv_blocks.labels(wid, role, "cached").set(s.num_cached_blocks)
+        m.kv_blocks.labels(wid, role, "held").set(s.num_held_blocks)
+        m.worker_requests.labels(wid, role, "running").set(len(s.running))
+        m.worker_requests.labels(wid, role, "waiting").set(len(s.waiting_prompt_lens))
+        m.worker_preemptions.labels(wid).set(s.num_preemptions)
+        self._count_workers()
+
+    def _on_worker_down(self, worker_id: str, role: Role) -> None:
+        self.state.mark_dead(worker_id)
+        self.metrics.workers.labels(role.value, "dead").inc()
+        self._count_workers()
+
+    def _count_workers(self) -> None:
+        alive: dict[str, int] = {r.value: 0 for r in Role}
+        for s in self.state.snapshots().values():
+            alive[s.role.value] += 1
+        for role, n in alive.items():
+            self.metrics.workers.labels(role, "alive").set(n)
