@@ -15,6 +15,10 @@ typically a decode worker)::
          notification and calls free_fn(block_ids) exactly once
     P: conn.release(handle.transfer_id)   idempotent; also calls free_fn once
 
+``progress()`` must be called regularly by any process that holds blocks (it
+delivers completions and expires leases); ``on_release`` callbacks only ever
+run inside ``progress()``, ``release()`` or ``close()``, on the caller's thread.
+
 Ownership: until ``on_release`` fires, the holder's blocks belong to the
 connector's lease and must not be reused by the holder. The puller's
 ``local_block_ids`` belong to the puller throughout; on ``FAILED`` it frees
@@ -70,5 +74,9 @@ class KVConnector(Protocol):
     def release(self, transfer_id: str) -> None: ...
 
     def progress(self) -> None: ...
+
+    def num_open_transfers(self) -> int:
+        """Puller-side resources still held (pulls not final, transfer handles, threads)."""
+        ...
 
     def close(self) -> None: ...

@@ -1,0 +1,318 @@
+"""torch.distributed backend: two-sided send/recv, gloo on CPU and NCCL on CUDA.
+
+Each pull gets its own two-rank process group, built directly (never the
+global default group, so any number of P/D pairs coexist in one process):
+
+    D (puller thread)                     P (holder: accept + per-pull threads)
+    connect to peer_info's address  ───▶  pin the hold, or refuse (-> FAILED)
+    rank 1 of a fresh group         ◀──▶  rank 0; rendezvous over this socket
+    recv into a staging buffer      ◀───  send the held blocks
+    copy into local blocks, "done"  ───▶  queue the completion; progress() frees
+
+The puller copies from staging into its blocks only if the pull has not been
+failed by its deadline, so a late message can never write into blocks the
+puller has already taken back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from kvtransfer.connector import KVTransferError, ReleaseCallback, UnknownHandleError
+from kvtransfer.leases import LeaseTable
+from kvtransfer.regions import Region, check_block_ids, check_pull, make_region
+from kvtransfer.states import StateTable
+from kvtransfer.types import BlockHandle, KVLayout, TransferState
+from kvtransfer.wire import DictStore, SocketStore, recv_msg, send_msg, serve_store_ops
+
+__all__ = ["TorchConnector"]
+
+log = logging.getLogger(__name__)
+
+
+def _make_group(store: Any, rank: int, host: str, device: torch.device, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, 2, nccl_opts)
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+def _held_tensor(region: Region, block_ids: tuple[int, ...]) -> torch.Tensor:
+    first = block_ids[0]
+    if block_ids == tuple(range(first, first + len(block_ids))):
+        return region.tensor[first : first + len(block_ids)]  # a contiguous view: no copy
+    return region.tensor[list(block_ids)]
+
+
+@dataclass(slots=True)
+class _Pull:
+    transfer_id: str
+    deadline_s: float
+    state: TransferState = TransferState.PENDING
+    thread: threading.Thread | None = None
+    cancelled: bool = False
+    error: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TorchConnector:
+    name = "torch"
+
+    def __init__(
+        self,
+        *,
+        agent_name: str | None = None,
+        lease_s: float = 30.0,
+        transfer_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.agent_name = agent_name or f"torch-{uuid.uuid4().hex[:12]}"
+        self.lease_s = lease_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.host = host  # advertised in peer_info; every socket binds to it
+        self._clock = clock
+        self._regions: dict[str, Region] = {}
+        self._leases = LeaseTable(clock)
+        self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._listener: socket.socket | None = None
+        self._serving: set[threading.Thread] = set()
+        self._closed = threading.Event()
+        self._pulls: dict[str, _Pull] = {}
+        self._lingering: list[threading.Thread] = []  # failed pulls' threads still unwinding
+        self._states = StateTable()
+
+    # -- holder side -----------------------------------------------------
+
+    def register(self, region: str, tensor: Any, layout: KVLayout) -> None:
+        if region in self._regions:
+            raise ValueError(f"region {region!r} is already registered")
+        self._regions[region] = make_region(region, tensor, layout)
+
+    def hold(
+        self,
+        region: str,
+        block_ids: Sequence[int],
+        *,
+        lease_s: float | None = None,
+        on_release: ReleaseCallback | None = None,
+    ) -> BlockHandle:
+        reg = self._region(region)
+        check_block_ids(reg, block_ids)
+        port = self._ensure_listening()
+        hold = self._leases.add(region, block_ids, lease_s or self.lease_s, on_release)
+        return BlockHandle(
+            backend=self.name,
+            agent=self.agent_name,
+            region=region,
+            transfer_id=hold.transfer_id,
+            block_ids=hold.block_ids,
+            layout=reg.layout,
+            expires_at_s=hold.expires_at_s,
+            peer_info=json.dumps({"host": self.host, "port": port}).encode(),
+        )
+
+    def release(self, transfer_id: str) -> None:
+        self._leases.release(transfer_id)
+
+    def progress(self) -> None:
+        while True:
+            try:
+                tid = self._completed.get_nowait()
+            except queue.Empty:
+                break
+            self._leases.release(tid)
+        self._leases.collect()
+        for pull in list(self._pulls.values()):
+            self.poll(pull.transfer_id)
+
+    def _ensure_listening(self) -> int:
+        if self._listener is None:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((self.host, 0))
+            listener.listen(64)
+            listener.settimeout(0.2)  # lets the accept loop notice close()
+            self._listener = listener
+            threading.Thread(target=self._accept_loop, name="kv-torch-accept", daemon=True).start()
+        return int(self._listener.getsockname()[1])
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # listener closed
+            thread = threading.Thread(target=self._serve_pull, args=(sock,), daemon=True)
+            self._serving.add(thread)
+            thread.start()
+
+    def _serve_pull(self, sock: socket.socket) -> None:
+        sock.settimeout(self.transfer_timeout_s)
+        tid = ""
+        pinned = False
+        try:
+            tid = str(recv_msg(sock)["transfer_id"])
+            hold = self._leases.pin(tid)
+            region = self._regions.get(hold.region) if hold is not None else None
+            if hold is None or region is None:
+                send_msg(sock, {"ok": False, "error": f"blocks of {tid!r} are not held"})
+                return
+            pinned = True
+            send_msg(sock, {"ok": True})
+            store = DictStore(self.transfer_timeout_s)
+            sent: list[bool] = []
+            sender = threading.Thread(
+                target=self._send_blocks, args=(store, region, hold.block_ids, sent), daemon=True
+            )
+            sender.start()
+            done = serve_store_ops(sock, store)
+            sender.join(self.transfer_timeout_s)
+            if done and sent:
+                self._completed.put(tid)
+        except (OSError, ConnectionError, KeyError, ValueError) as exc:
+            log.warning("serving pull %s failed: %s", tid, exc)
+        finally:
+            if pinned:
+                self._leases.unpin(tid)
+            sock.close()
+            self._serving.discard(threading.current_thread())
+
+    def _send_blocks(
+        self, store: DictStore, region: Region, block_ids: tuple[int, ...], sent: list[bool]
+    ) -> None:
+        try:
+            group = _make_group(store, 0, self.host, region.tensor.device, self.transfer_timeout_s)
+            group.send([_held_tensor(region, block_ids)], 1, 0).wait()
+            sent.append(True)
+        except (RuntimeError, TimeoutError) as exc:
+            log.warning("sending blocks failed: %s", exc)
+
+    # -- puller side -----------------------------------------------------
+
+    def pull(self, handle: BlockHandle, region: str, local_block_ids: Sequence[int]) -> str:
+        local = check_pull(self.name, self._regions, handle, region, local_block_ids)
+        tid = handle.transfer_id
+        if handle.agent == self.agent_name and self._leases.get(tid) is None:
+            raise UnknownHandleError(f"blocks of {tid!r} are not held")
+        if self._states.is_active(tid):
+            raise KVTransferError(f"transfer {tid!r} is already being pulled")
+        try:
+            addr = json.loads(handle.peer_info)
+            host, port = str(addr["host"]), int(addr["port"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise KVTransferError(f"malformed torch peer_info: {exc}") from exc
+        pull = _Pull(tid, deadline_s=self._clock() + self.transfer_timeout_s)
+        pull.thread = threading.Thread(
+            target=self._run_pull,
+            args=(pull, host, port, local, list(local_block_ids), len(handle.block_ids)),
+            name=f"kv-torch-pull-{tid[:8]}",
+            daemon=True,
+        )
+        self._pulls[tid] = pull
+        self._states.set(tid, TransferState.PENDING)
+        pull.thread.start()
+        return tid
+
+    def _run_pull(
+        self,
+        pull: _Pull,
+        host: str,
+        port: int,
+        local: Region,
+        local_ids: list[int],
+        num_blocks: int,
+    ) -> None:
+        try:
+            with socket.create_connection((host, port), timeout=self.transfer_timeout_s) as sock:
+                send_msg(sock, {"transfer_id": pull.transfer_id})
+                reply = recv_msg(sock)
+                if not reply.get("ok"):
+                    raise UnknownHandleError(str(reply.get("error", "refused")))
+                with pull.lock:
+                    if pull.state is TransferState.PENDING:
+                        pull.state = TransferState.TRANSFERRING
+                # our gloo device listens on the interface that reaches the holder
+                my_host = sock.getsockname()[0]
+                group = _make_group(
+                    SocketStore(sock), 1, my_host, local.tensor.device, self.transfer_timeout_s
+                )
+                staging = torch.empty(
+                    (num_blocks, *local.layout.block_shape),
+                    dtype=local.tensor.dtype,
+                    device=local.tensor.device,
+                )
+                group.recv([staging], 0, 0).wait()
+                with pull.lock:
+                    if pull.cancelled:
+                        return
+                    local.tensor[local_ids] = staging
+                    pull.state = TransferState.DONE
+                send_msg(sock, {"op": "done"})
+        except (OSError, ConnectionError, RuntimeError, TimeoutError, KVTransferError) as exc:
+            with pull.lock:
+                pull.error = str(exc)
+                if not pull.state.is_final:
+                    pull.state = TransferState.FAILED
+
+    def poll(self, transfer_id: str) -> TransferState:
+        pull = self._pulls.get(transfer_id)
+        if pull is None:
+            return self._states.get(transfer_id)
+        with pull.lock:
+            if not pull.state.is_final and self._clock() > pull.deadline_s:
+                pull.cancelled = True
+                pull.state = TransferState.FAILED
+                pull.error = f"timed out after {self.transfer_timeout_s} s"
+            state = pull.state
+        if state.is_final:
+            if state is TransferState.FAILED:
+                log.warning("pull %s failed: %s", transfer_id, pull.error)
+            del self._pulls[transfer_id]
+            if pull.thread is not None and pull.thread.is_alive():
+                self._lingering.append(pull.thread)
+        self._states.set(transfer_id, state)
+        return state
+
+    def num_open_transfers(self) -> int:
+        """Pulls not yet final plus puller threads still winding down after a failure."""
+        self._lingering = [t for t in self._lingering if t.is_alive()]
+        return len(self._pulls) + len(self._lingering)
+
+    # -- shared ----------------------------------------------------------
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.close()
+        for pull in list(self._pulls.values()):
+            with pull.lock:
+                pull.cancelled = True
+        self._leases.release_all()
+
+    def _region(self, region: str) -> Region:
+        reg = self._regions.get(region)
+        if reg is None:
+            raise KeyError(f"region {region!r} is not registered")
+        return reg
