@@ -1,0 +1,313 @@
+"""LLMEngine: the embedded engine behind the ``Engine`` protocol (services/backends/protocol.py).
+
+One step: schedule -> build the flat batch -> model forward (writes KV into the
+paged pool) -> logits of each sequence that caught up -> sample -> append,
+detokenize, check stops -> free or hold finished requests -> output deltas.
+Not thread-safe: one worker thread owns it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.types import KVLayout
+from services.backends.protocol import AdmissionPolicy
+from services.config import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.kv_cache import BlockManager, allocate_kv_pool
+from services.engine.loader import LoadedModel
+from services.engine.messages import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    HeldKV,
+    InvalidRequestError,
+    RequestOutput,
+    StepStats,
+    TokenLogprob,
+)
+from services.engine.request import Request, RequestStatus
+from services.engine.sampler import Sampler
+from services.engine.scheduler import Scheduler
+from services.engine.step_inputs import StepInputs, build_step_inputs
+
+__all__ = ["EngineModelInfo", "LLMEngine"]
+
+_NUM_RECENT_STEPS = 64
+_NUM_RECENT_OUTPUTS = 200
+
+
+@dataclass(frozen=True, slots=True)
+class EngineModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        *,
+        seed: int = 0,
+        admission: AdmissionPolicy | None = None,
+    ) -> None:
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.config = config
+        args = loaded.args
+        self._layout = KVLayout(
+            num_layers=args.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            device=str(loaded.device),
+        )
+        num_blocks = config.kv_cache_bytes // self._layout.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {self._layout.block_bytes} bytes"
+            )
+        self.kv = allocate_kv_pool(self._layout, num_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            admission=admission,
+        )
+        # A request longer than the whole pool could never run; the limit says so up front.
+        max_model_len = min(
+            config.max_model_len or args.max_position_embeddings,
+            args.max_position_embeddings,
+            num_blocks * config.block_size,
+        )
+        eos = tuple(loaded.tokenizer.eos_token_ids) or args.eos_token_ids
+        self._info = EngineModelInfo(loaded.name, max_model_len, args.vocab_size, eos)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=loaded.device).manual_seed(seed)
+        self._requests: dict[str, Request] = {}
+        self._adopting: dict[str, Request] = {}
+        self._recent_steps: deque[StepStats] = deque(maxlen=_NUM_RECENT_STEPS)
+        self._recent_output_lens: deque[int] = deque(maxlen=_NUM_RECENT_OUTPUTS)
+        self._num_prompt_tokens_computed = 0
+
+    # -- Engine protocol: properties -------------------------------------------
+    @property
+    def model_info(self) -> EngineModelInfo:
+        return self._info
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    @property
+    def kv_storage(self) -> torch.Tensor:
+        return self.kv
+
+    # -- requests in ------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        self.scheduler.add(self._admit(request))
+
+    def adopt(self, request: EngineRequest) -> list[int]:
+        """Allocate blocks for the prompt's KV, to be filled by a pull; see the protocol."""
+        if not request.output_token_ids:
+            raise InvalidRequestError(
+                "an adopted request carries its first token", "output_token_ids"
+            )
+        num_blocks = self.block_manager.blocks_needed(len(request.prompt_token_ids))
+        if num_blocks > self.block_manager.num_free_blocks:
+            raise InvalidRequestError(
+                f"no room to adopt: {num_blocks} blocks needed, "
+                f"{self.block_manager.num_free_blocks} free"
+            )
+        r = self._admit(request)
+        r.status = RequestStatus.ADOPTING
+        self._adopting[r.request_id] = r
+        return self.block_manager.allocate_exact(r.request_id, len(r.prompt_token_ids))
+
+    def start_adopted(self, request_id: str) -> None:
+        r = self._adopting.pop(request_id, None)
+        if r is None:
+            raise InvalidRequestError(f"no adopted request {request_id!r}", "request_id")
+        r.num_computed_tokens = r.num_prompt_tokens
+        self.scheduler.add_adopted(r)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)  # frees running and held blocks
+        if self._adopting.pop(request_id, None) is not None:
+            self.block_manager.free(request_id)
+        self._requests.pop(request_id, None)
+
+    def release_held(self, request_id: str) -> None:
+        self.block_manager.release_held(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start_s = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        inputs = build_step_inputs(plan.scheduled, self.block_manager)
+        hidden = self.model.forward(inputs.batch, self.kv)
+        self._advance(plan.scheduled)
+        token_ids, logprobs = self._sample(hidden, inputs)
+        outputs = [
+            self._append_token(r, token_id, lp)
+            for r, token_id, lp in zip(inputs.sample_requests, token_ids, logprobs)
+        ]
+        self._record_step(inputs, time.perf_counter() - start_s)
+        return outputs
+
+    def _advance(self, scheduled: Sequence) -> None:
+        """The scheduled tokens' KV is now in the pool: count it, name full blocks for reuse."""
+        for item in scheduled:
+            r = item.request
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                self._num_prompt_tokens_computed += (
+                    min(r.num_computed_tokens + item.num_new_tokens, r.num_prompt_tokens)
+                    - r.num_computed_tokens
+                )
+            r.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(
+                r.request_id, r.all_token_ids, r.num_computed_tokens
+            )
+
+    def _sample(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        if not inputs.sample_requests:
+            return [], []
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        result = self.sampler.sample(
+            logits,
+            [r.sampling for r in inputs.sample_requests],
+            [r.output_token_ids for r in inputs.sample_requests],
+            self._info.eos_token_ids,
+            self.generator,
+        )
+        logprobs = result.logprobs or [None] * len(result.token_ids)
+        return list(result.token_ids), list(logprobs)
+
+    def _append_token(self, r: Request, token_id: int, lp: TokenLogprob | None) -> RequestOutput:
+        r.append_output(token_id)
+        text, stop_str_hit = r.detokenizer.add(token_id)
+        reason = self._finish_reason(r, token_id, stop_str_hit)
+        held: HeldKV | None = None
+        if reason is not None:
+            held = self._finish(r, reason)
+        return RequestOutput(
+            request_id=r.request_id,
+            new_token_ids=(token_id,),
+            new_text=text,
+            finish_reason=reason,
+            logprobs=(lp,) if lp is not None and r.sampling.logprobs is not None else None,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens,
+            num_cached_tokens=r.num_cached_tokens,
+            held_kv=held,
+        )
+
+    def _finish_reason(self, r: Request, token_id: int, stop_str_hit: bool) -> FinishReason | None:
+        sp = r.sampling
+        if r.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token_id in self._info.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in sp.stop_token_ids or stop_str_hit:
+                return FinishReason.STOP
+        if r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self._info.max_model_len:
+            return FinishReason.LENGTH
+        if r.prefill_only:
+            return FinishReason.PREFILLED
+        return None
+
+    def _finish(self, r: Request, reason: FinishReason) -> HeldKV | None:
+        r.finish_reason = reason
+        self._requests.pop(r.request_id, None)
+        if reason is FinishReason.PREFILLED:
+            block_ids = self.scheduler.finish(r, hold=True)
+            return HeldKV(tuple(block_ids), r.num_prompt_tokens, self._layout)
+        self.scheduler.finish(r)
+        self._recent_output_lens.append(r.num_output_tokens)
+        return None
+
+    def _record_step(self, inputs: StepInputs, duration_s: float) -> None:
+        self._recent_steps.append(
+            StepStats(
+                duration_s=duration_s,
+                num_prefill_tokens=inputs.num_prefill_tokens,
+                num_decode_seqs=inputs.num_decode_seqs,
+                total_context_tokens=sum(inputs.batch.context_lens),
+            )
+        )
+
+    # -- validation -------------------------------------------------------------
+    def _admit(self, message: EngineRequest) -> Request:
+        """Validate a request (InvalidRequestError names the field) and start tracking it."""
+        if message.request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {message.request_id!r}", "request_id")
+        message.sampling.validate()
+        prompt = message.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self._info.vocab_size
+        if any(not 0 <= t < vocab for t in (*prompt, *message.output_token_ids)):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
+        num_tokens = len(prompt) + len(message.output_token_ids)
+        if num_tokens >= self._info.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_tokens} tokens; this model's context is "
+                f"{self._info.max_model_len} (at least one must be left to generate)",
+                "prompt",
+            )
+        if len(message.output_token_ids) >= message.sampling.max_tokens:
+            raise InvalidRequestError(
+                "max_tokens already reached by the given outputs", "max_tokens"
+            )
+        r = Request.from_message(message)
+        r.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            list(r.all_token_ids),  # context for the first new token's text
+            stop=r.sampling.stop,
+            include_stop_str_in_output=r.sampling.include_stop_str_in_output,
+        )
+        self._requests[r.request_id] = r
+        return r
+
+    # -- introspection ----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            block_size=bm.block_size,
+            num_total_blocks=bm.num_total_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            num_held_blocks=bm.num_held_blocks,
+            running=self.scheduler.running_stats(),
+            waiting_prompt_lens=tuple(r.num_tokens for r in self.scheduler.waiting),
+            recent_steps=tuple(self._recent_steps),
+            recent_output_lens=tuple(self._recent_output_lens),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)

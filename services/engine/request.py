@@ -1,0 +1,75 @@
+"""A request's mutable state inside the engine (the messages in and out are frozen)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+
+__all__ = ["Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks (also after a preemption)
+    RUNNING = "running"  # holds blocks; moves num_computed_tokens toward num_tokens
+    ADOPTING = "adopting"  # holds blocks being filled from elsewhere; not runnable yet
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    prefill_only: bool = False
+    arrival_time_s: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_adopted_outputs: int = 0  # outputs generated before this engine saw the request
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in this engine's pool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + outputs, kept in step
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @classmethod
+    def from_message(cls, message: EngineRequest) -> Request:
+        return cls(
+            request_id=message.request_id,
+            prompt_token_ids=tuple(message.prompt_token_ids),
+            sampling=message.sampling,
+            prefill_only=message.prefill_only,
+            arrival_time_s=message.arrival_time_s,
+            output_token_ids=list(message.output_token_ids),
+            num_adopted_outputs=len(message.output_token_ids),
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
