@@ -41,19 +41,20 @@ _VOCAB = 256
 
 
 class FakeTokenizer:
-    """One token per Latin-1 character; id 0 is EOS."""
+    """One token per Latin-1 character; id 0 is EOS; no BOS."""
 
-    eos_token_id = _EOS
     vocab_size = _VOCAB
+    eos_token_ids = (_EOS,)
+    bos_token_id = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) if 0 < ord(c) < _VOCAB else ord("?") for c in text]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(t) for t in token_ids if t != _EOS)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
         text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")

@@ -1,30 +1,18 @@
-"""Tokenizing at the gateway: chat template, prompts to token ids, token text for logprobs."""
+"""Tokenizing at the gateway: chat template, prompts to token ids."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
+
+from services.engine.tokenizer import Tokenizer
 
 __all__ = ["Tokenizer", "chat_prompt_ids", "text_prompt_ids"]
 
 
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
-
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> Any: ...
-
-
-def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]]) -> tuple[int, ...]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[int, ...]:
+    # The template already places any BOS; encoding must not add a second one.
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if isinstance(rendered, str):
-        return tuple(tokenizer.encode(rendered))
-    if isinstance(rendered, dict) and "input_ids" in rendered:  # a BatchEncoding
-        rendered = rendered["input_ids"]
-    return tuple(int(t) for t in rendered)
+    return tuple(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def text_prompt_ids(
