@@ -290,8 +290,11 @@ class FakeEngine:
         if finish is None and seq.request.prefill_only:
             finish = FinishReason.PREFILLED
             held = self._hold_prompt(seq)
-        new_text = text[seq.emitted_text_len :]
-        seq.emitted_text_len = len(text)
+        # Hold back a tail that could still grow into a stop string.
+        holdback = 0 if finish is not None else max((len(s) - 1 for s in sampling.stop), default=0)
+        visible = text[: max(seq.emitted_text_len, len(text) - holdback)]
+        new_text = visible[seq.emitted_text_len :]
+        seq.emitted_text_len = len(visible)
         if finish is not None:
             self._finish(seq, keep_blocks=held is not None)
         return RequestOutput(
