@@ -8,6 +8,9 @@
     re-plan        a worker died or a pull failed: place again; with tokens
                    already streamed, the prompt plus those tokens run on a live
                    worker and decoding continues, so the client sees one stream
+    detokenize     here, over the whole stream, not on the workers: a worker that
+                   continues someone else's request cannot know what text was held
+                   back (an incomplete UTF-8 character, a possible stop string)
 
 Every worker a request touched is told to abort it if the request does not end
 normally (client hung up, error): its blocks, held ones included, are freed.
@@ -16,14 +19,17 @@ normally (client hung up, error): its blocks, held ones included, are freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from router.policy import Policy
 from router.types import Plan, Reject, RequestProfile
+from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+from services.engine.tokenizer import Tokenizer
 from services.gateway.errors import BadRequest, Overloaded, ServiceFailure
 from services.gateway.state import ClusterState, Reservation
 from services.metrics import BatonMetrics
@@ -67,7 +73,9 @@ class PlanExecutor:
         metrics: BatonMetrics,
         config: ExecutorConfig,
         on_worker_died: Callable[[str], None],
+        tokenizer: Tokenizer,
     ) -> None:
+        self._tokenizer = tokenizer
         self._state = state
         self._clients = clients
         self._policy = policy
@@ -90,21 +98,28 @@ class PlanExecutor:
             max_tokens=sampling.max_tokens,
             arrival_s=arrival_s,
         )
+        detokenizer = IncrementalDetokenizer(
+            self._tokenizer,
+            prompt_token_ids,
+            stop=sampling.stop,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
+        )
         generated: list[int] = []
         for attempt in range(self._config.max_attempts):
             attempt_id = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
             plan = await self._place(profile)
             if attempt == 0:
                 self._metrics.stage_s.labels("queue").observe(time.monotonic() - arrival_s)
+            stream = self._execute(plan, attempt_id, prompt_token_ids, tuple(generated), sampling)
             try:
-                async for delta in self._execute(
-                    plan, attempt_id, prompt_token_ids, tuple(generated), sampling
-                ):
-                    generated.extend(delta.token_ids)
-                    yield replace(delta, request_id=request_id)
-                    if delta.finish_reason is not None:
-                        self._state.record_output_len(len(generated))
-                        return
+                async with contextlib.aclosing(stream):  # closing aborts what is unfinished
+                    async for delta in stream:
+                        generated.extend(delta.token_ids)
+                        delta = _detokenize(detokenizer, delta, request_id)
+                        yield delta
+                        if delta.finish_reason is not None:
+                            self._state.record_output_len(len(generated))
+                            return
                 reason = "stream_ended"
             except WorkerDiedError as e:
                 log.warning("request %s: %s; re-planning", request_id, e)
@@ -147,7 +162,7 @@ class PlanExecutor:
         prompt: tuple[int, ...],
         generated: tuple[int, ...],
         sampling: SamplingParams,
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta, None]:
         if plan.colocated or generated:
             # A continuation after a failure runs where decoding would have run.
             worker_id = plan.decode_worker if generated and plan.decode_worker else None
@@ -252,3 +267,16 @@ class PlanExecutor:
             self._state.release(reserved)
             if not finished:
                 client.abort(request.request_id)
+
+
+def _detokenize(
+    detokenizer: IncrementalDetokenizer, delta: TokenDelta, request_id: str
+) -> TokenDelta:
+    """The delta with the gateway's text; a stop string seen here ends the request."""
+    text = "".join(detokenizer.add(t)[0] for t in delta.token_ids)
+    finish = delta.finish_reason
+    if finish is None and detokenizer.stopped:
+        finish = FinishReason.STOP
+    elif finish is not None and not detokenizer.stopped:
+        text += detokenizer.finish()
+    return replace(delta, request_id=request_id, text=text, finish_reason=finish)

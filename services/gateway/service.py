@@ -87,6 +87,7 @@ class GatewayService:
                 max_hold_s=settings.router.max_hold_s,
             ),
             on_worker_died=self.controller.report_dead,
+            tokenizer=tokenizer,
         )
         self.started_s = time.time()
         self.draining = False

@@ -114,6 +114,7 @@ class EngineLoop:
         self._pulls: dict[str, _Pull] = {}  # transfer_id -> pull
         self._held: dict[str, str] = {}  # request_id -> transfer_id of its hold
         self._seq = 0
+        self._num_finished = 0
         self._last_publish_s = 0.0
         self._dirty = True
         if connector is not None:
@@ -271,8 +272,9 @@ class EngineLoop:
                     continue
             if out.finished:
                 self._active.discard(out.request_id)
+                self._num_finished += 1
                 self._dirty = True
-            self._on_event(out.request_id, _to_delta(out, handle))
+            self._on_event(out.request_id, _to_delta(out, handle, self._worker_id))
 
     def _hold(self, request_id: str, block_ids: Sequence[int]) -> BlockHandle | None:
         connector = self._connector
@@ -333,13 +335,14 @@ class EngineLoop:
             recent_output_lens=stats.recent_output_lens,
             num_preemptions=stats.num_preemptions,
             num_pending_pulls=len(self._pulls),
+            num_finished_requests=self._num_finished,
             kv_bytes_per_token=layout.block_bytes // layout.block_size,
             max_num_seqs=self._max_num_seqs,
             max_model_len=self._engine.model_info.max_model_len,
         )
 
 
-def _to_delta(out: RequestOutput, handle: BlockHandle | None) -> TokenDelta:
+def _to_delta(out: RequestOutput, handle: BlockHandle | None, worker_id: str) -> TokenDelta:
     return TokenDelta(
         request_id=out.request_id,
         token_ids=out.new_token_ids,
@@ -350,4 +353,5 @@ def _to_delta(out: RequestOutput, handle: BlockHandle | None) -> TokenDelta:
         num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens,
         handle=handle,
+        worker_id=worker_id,
     )

@@ -74,6 +74,7 @@ class TokenDelta:
     num_output_tokens: int = 0  # total so far, tokens generated elsewhere included
     num_cached_tokens: int = 0
     handle: BlockHandle | None = None  # set on a prefill-only request's last delta
+    worker_id: str = ""  # who produced it
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ class WorkerSnapshot:
     recent_output_lens: tuple[int, ...]
     num_preemptions: int
     num_pending_pulls: int
+    num_finished_requests: int  # since start, prefill-only ones included
     kv_bytes_per_token: int
     max_num_seqs: int
     max_model_len: int

@@ -38,7 +38,9 @@ def fake_service(config: ClusterConfig, max_model_len: int = 512) -> GatewayServ
         FakeEngineFactory(max_model_len=max_model_len),
         ConnectorFactory(config.kvtransfer),
     )
-    settings = GatewaySettings(config.gateway, config.router, config.model, config.kvtransfer.backend)
+    settings = GatewaySettings(
+        config.gateway, config.router, config.model, config.kvtransfer.backend
+    )
     return GatewayService(
         settings,
         FakeTokenizer(),
@@ -56,7 +58,9 @@ async def gateway() -> AsyncIterator[GatewayFactory]:
     """``await gateway(**overrides) -> (service, httpx client)``; everything stopped after."""
     started: list[tuple[GatewayService, httpx.AsyncClient]] = []
 
-    async def make(max_model_len: int = 512, **overrides: Any) -> tuple[GatewayService, httpx.AsyncClient]:
+    async def make(
+        max_model_len: int = 512, **overrides: Any
+    ) -> tuple[GatewayService, httpx.AsyncClient]:
         svc = fake_service(fake_config(**overrides), max_model_len)
         await svc.start()
         app = create_app(svc, manage_lifecycle=False)

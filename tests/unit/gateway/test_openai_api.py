@@ -59,11 +59,15 @@ async def test_chat_stream_framing_and_usage(gateway: Any) -> None:
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert all(e["usage"] is None for e in events[:-1])
     assert events[-1]["choices"] == []
-    assert events[-1]["usage"] == whole["usage"] == {
-        "prompt_tokens": whole["usage"]["prompt_tokens"],
-        "completion_tokens": 12,
-        "total_tokens": whole["usage"]["prompt_tokens"] + 12,
-    }
+    assert (
+        events[-1]["usage"]
+        == whole["usage"]
+        == {
+            "prompt_tokens": whole["usage"]["prompt_tokens"],
+            "completion_tokens": 12,
+            "total_tokens": whole["usage"]["prompt_tokens"] + 12,
+        }
+    )
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
     assert content == whole["choices"][0]["message"]["content"]
     finishes = [e["choices"][0]["finish_reason"] for e in events[:-1]]
