@@ -14,7 +14,10 @@ import asyncio
 import logging
 import math
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from services.config import ClusterConfig, load_config
@@ -38,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help="router policy (round_robin, slo_goodput, ...)")
     parser.add_argument("--api-key", help="require this bearer key (default: $BATON_API_KEY)")
     parser.add_argument("--worker-cpus", type=float, help="Ray CPUs per worker")
+    parser.add_argument("--ray-address", help="join this Ray cluster (default: $RAY_ADDRESS)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
@@ -71,17 +75,23 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, OSError) as e:
         print(f"baton serve: invalid configuration: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config, log_level=args.log_level))
+    ray_address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
+    return asyncio.run(serve(config, log_level=args.log_level, ray_address=ray_address))
 
 
-async def serve(config: ClusterConfig, *, log_level: str = "info") -> int:
+async def serve(
+    config: ClusterConfig, *, log_level: str = "info", ray_address: str | None = None
+) -> int:
+    """Serve until a signal; ``ray_address``: join that Ray cluster instead of starting one."""
     import ray
     import uvicorn
 
     from services.gateway.app import create_app
 
     num_gpus = _num_gpus(config)
-    if not ray.is_initialized():
+    if ray_address:
+        ray.init(address=ray_address, log_to_driver=log_level == "debug", namespace="baton")
+    elif not ray.is_initialized():
         ray.init(
             num_cpus=_ray_cpus(config),
             num_gpus=None if num_gpus else 0,
@@ -91,7 +101,7 @@ async def serve(config: ClusterConfig, *, log_level: str = "info") -> int:
         )
     svc = _build_service(config, num_gpus)
     app = create_app(svc)
-    server = uvicorn.Server(
+    server = _server_class()(
         uvicorn.Config(
             app,
             host=config.gateway.host,
@@ -100,6 +110,9 @@ async def serve(config: ClusterConfig, *, log_level: str = "info") -> int:
             timeout_graceful_shutdown=5,
         )
     )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.request_exit)
     announce = asyncio.create_task(_announce_when_started(server, config))
     try:
         await server.serve()
@@ -107,6 +120,23 @@ async def serve(config: ClusterConfig, *, log_level: str = "info") -> int:
         announce.cancel()
         ray.shutdown()
     return 0 if server.started else 1
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, with the signals ours: a SIGTERM is a clean exit (status 0),
+        not re-raised after shutdown into Ray's handler."""
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+        def request_exit(self) -> None:
+            self.should_exit = True
+
+    return Server
 
 
 def _build_service(config: ClusterConfig, num_gpus: float) -> Any:
