@@ -42,6 +42,7 @@ from services.workers.messages import (
     KVPulled,
     RequestFailed,
     TokenDelta,
+    WorkerEvent,
 )
 
 __all__ = ["ExecutorConfig", "PlanExecutor"]
@@ -112,7 +113,7 @@ class PlanExecutor:
                 self._metrics.stage_s.labels("queue").observe(time.monotonic() - arrival_s)
             stream = self._execute(plan, attempt_id, prompt_token_ids, tuple(generated), sampling)
             try:
-                async with contextlib.aclosing(stream):  # closing aborts what is unfinished
+                async with _closing(stream):  # closing aborts what is unfinished
                     async for delta in stream:
                         generated.extend(delta.token_ids)
                         delta = _detokenize(detokenizer, delta, request_id)
@@ -168,14 +169,17 @@ class PlanExecutor:
             worker_id = plan.decode_worker if generated and plan.decode_worker else None
             worker_id = worker_id or plan.prefill_worker
             request = EngineRequest(request_id, prompt, sampling, output_token_ids=generated)
-            async for delta in self._stream(worker_id, Generate(request), prefill=True):
-                yield delta
+            async with _closing(self._stream(worker_id, Generate(request), prefill=True)) as s:
+                async for delta in s:
+                    yield delta
             return
         assert plan.decode_worker is not None
-        async for delta in self._disaggregated(
+        disaggregated = self._disaggregated(
             plan.prefill_worker, plan.decode_worker, request_id, prompt, sampling
-        ):
-            yield delta
+        )
+        async with _closing(disaggregated) as s:
+            async for delta in s:
+                yield delta
 
     async def _disaggregated(
         self,
@@ -184,7 +188,7 @@ class PlanExecutor:
         request_id: str,
         prompt: tuple[int, ...],
         sampling: SamplingParams,
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta, None]:
         decode_reservation = self._state.reserve(
             decode_id, len(prompt), sampling.max_tokens, prefill=False
         )
@@ -193,24 +197,28 @@ class PlanExecutor:
             handle = None
             first_tokens: tuple[int, ...] = ()
             request = EngineRequest(request_id, prompt, sampling, prefill_only=True)
-            async for delta in self._stream(prefill_id, Generate(request), prefill=True):
-                first_tokens += delta.token_ids
-                if delta.finish_reason is FinishReason.PREFILLED:
-                    handle = delta.handle
-                    delta = replace(delta, finish_reason=None, handle=None)
-                yield delta
+            async with _closing(self._stream(prefill_id, Generate(request), prefill=True)) as s:
+                async for delta in s:
+                    first_tokens += delta.token_ids
+                    if delta.finish_reason is FinishReason.PREFILLED:
+                        handle = delta.handle
+                        delta = replace(delta, finish_reason=None, handle=None)
+                    completed = delta.finish_reason is not None  # done at the first token
+                    yield delta
             if handle is None:
-                completed = True
                 return  # the first token already finished the request
             request = EngineRequest(request_id, prompt, sampling, output_token_ids=first_tokens)
             started_s = time.monotonic()
             stream = self._stream(
                 decode_id, Continue(request, handle), prefill=False, reserved=decode_reservation
             )
-            async for delta in stream:
-                yield delta
-            self._metrics.stage_s.labels("decode").observe(time.monotonic() - started_s)
-            completed = True
+            async with _closing(stream) as s:
+                async for delta in s:
+                    completed = delta.finish_reason is not None
+                    if completed:
+                        decode_s = time.monotonic() - started_s
+                        self._metrics.stage_s.labels("decode").observe(decode_s)
+                    yield delta
         finally:
             self._state.release(decode_reservation)
             prefill_client = self._clients(prefill_id)
@@ -224,7 +232,7 @@ class PlanExecutor:
         *,
         prefill: bool,
         reserved: Reservation | None = None,
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta, None]:
         """One worker's events as deltas; failures as exceptions; abort if cut short."""
         client = self._clients(worker_id)
         if client is None:
@@ -237,8 +245,10 @@ class PlanExecutor:
         started_s = time.monotonic()
         finished = False
         first = True
+        events: AsyncIterator[WorkerEvent] | None = None
         try:
-            async for event in client.generate(job):
+            events = client.generate(job)
+            async for event in events:
                 self._state.release(reserved)  # the worker's telemetry counts it now
                 match event:
                     case TokenDelta() as delta:
@@ -267,6 +277,9 @@ class PlanExecutor:
             self._state.release(reserved)
             if not finished:
                 client.abort(request.request_id)
+            aclose = getattr(events, "aclose", None) if events is not None else None
+            if aclose is not None:
+                await aclose()
 
 
 def _detokenize(
@@ -280,3 +293,8 @@ def _detokenize(
     elif finish is not None and not detokenizer.stopped:
         text += detokenizer.finish()
     return replace(delta, request_id=request_id, text=text, finish_reason=finish)
+
+
+# Closing a stream closes the streams it reads, down to the worker's: every level's
+# ``finally`` (abort what is unfinished, drop reservations) runs now, not at GC time.
+_closing = contextlib.aclosing
