@@ -104,7 +104,8 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
 
 
 def _auth_dependency(api_key: str | None) -> Any:
-    def check(request: Request) -> None:
+    # async: FastAPI runs a plain ``def`` dependency in a thread pool, a hop per request.
+    async def check(request: Request) -> None:
         if api_key is None:
             return
         header = request.headers.get("authorization", "")

@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 
 KV_REGION = "kv"
 _IDLE_POLL_S = 0.0005  # while a pull is in flight
+# A snapshot after an admission or a finish goes out this much later, so that its
+# serialisation does not compete with the token that caused it; and no more often
+# than every _MIN_PUBLISH_GAP_S under load.
+_PUBLISH_DELAY_S = 0.002
+_MIN_PUBLISH_GAP_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +122,7 @@ class EngineLoop:
         self._num_finished = 0
         self._last_publish_s = 0.0
         self._dirty = True
+        self._dirty_since_s = 0.0
         if connector is not None:
             connector.register(KV_REGION, engine.kv_storage, engine.kv_layout)
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
@@ -168,7 +174,7 @@ class EngineLoop:
         elif self._engine.has_unfinished():
             timeout_s = 0.001  # blocked on capacity: look again soon
         else:
-            timeout_s = max(0.0, self._last_publish_s + self._interval_s - time.monotonic())
+            timeout_s = max(0.0, self._next_publish_s() - time.monotonic())
         self._wake.wait(timeout_s)
         self._wake.clear()
 
@@ -188,10 +194,10 @@ class EngineLoop:
                 case _ReleaseHeld(request_id=request_id):
                     self._held.pop(request_id, None)
                     self._engine.release_held(request_id)
-                    self._dirty = True
+                    self._touch()
                 case _TakeSnapshot(reply=reply):
                     reply.set_result(self._take_snapshot())
-                    self._dirty = True
+                    self._touch()
 
     def _add(self, request: EngineRequest) -> None:
         request_id = request.request_id
@@ -204,7 +210,7 @@ class EngineLoop:
             self._fail(request_id, FailureKind.CAPACITY, str(e))
             return
         self._active.add(request_id)
-        self._dirty = True
+        self._touch()
 
     def _adopt_and_pull(self, job: Continue) -> None:
         request_id = job.request.request_id
@@ -238,7 +244,7 @@ class EngineLoop:
         if request_id in self._active:
             self._engine.abort(request_id)
             self._active.discard(request_id)
-            self._dirty = True
+            self._touch()
         hold_id = self._held.get(request_id)
         if hold_id is not None and self._connector is not None:
             self._connector.release(hold_id)  # fires on_release -> _ReleaseHeld
@@ -273,7 +279,7 @@ class EngineLoop:
             if out.finished:
                 self._active.discard(out.request_id)
                 self._num_finished += 1
-                self._dirty = True
+                self._touch()
             self._on_event(out.request_id, _to_delta(out, handle, self._worker_id))
 
     def _hold(self, request_id: str, block_ids: Sequence[int]) -> BlockHandle | None:
@@ -300,10 +306,24 @@ class EngineLoop:
     # -- telemetry -------------------------------------------------------------------
     def _publish_if_due(self) -> None:
         now = time.monotonic()
-        if self._dirty or now - self._last_publish_s >= self._interval_s:
+        if now >= self._next_publish_s():
             self._on_snapshot(self._take_snapshot())
             self._dirty = False
             self._last_publish_s = now
+
+    def _touch(self) -> None:
+        if not self._dirty:
+            self._dirty = True
+            self._dirty_since_s = time.monotonic()
+
+    def _next_publish_s(self) -> float:
+        periodic_s = self._last_publish_s + self._interval_s
+        if not self._dirty:
+            return periodic_s
+        soon_s = max(
+            self._dirty_since_s + _PUBLISH_DELAY_S, self._last_publish_s + _MIN_PUBLISH_GAP_S
+        )
+        return min(soon_s, periodic_s)
 
     def _take_snapshot(self) -> WorkerSnapshot:
         stats = self._engine.stats()

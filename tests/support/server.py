@@ -25,7 +25,8 @@ class ServedGateway:
     def __init__(self, svc: GatewayService, startup_timeout_s: float = 180.0) -> None:
         self.svc = svc
         self._timeout_s = startup_timeout_s
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
