@@ -34,8 +34,10 @@ class SeqGroup:
     col: torch.Tensor  # [Tg]: each token's query column in the padded batch
     num_seqs: int
     max_query_len: int
-    block_ids: torch.Tensor  # [S, max_blocks]: block tables, padded with block 0
-    mask: torch.Tensor  # [S, 1, group * max_query_len, max_blocks * block_size] bool
+    block_ids: torch.Tensor  # [S * max_blocks]: block tables, padded with block 0, flattened
+    max_blocks: int
+    covers_all_tokens: bool  # token_index is 0..T-1: the group is the whole step
+    mask: torch.Tensor  # [S, 1, group * max_query_len or 1, max_blocks * block_size]: 0 or -inf
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class AttentionMetadata:
         num_queries_per_kv: int,
         sliding_window: int | None,
         device: torch.device,
+        dtype: torch.dtype,
     ) -> AttentionMetadata:
         slots = batch.slot_mapping.to(device)
         starts = [0]
@@ -62,7 +65,7 @@ class AttentionMetadata:
         chunks = [i for i, q in enumerate(batch.query_lens) if q != 1]
         groups = [
             _build_group(
-                batch, seqs, starts, block_size, num_queries_per_kv, sliding_window, device
+                batch, seqs, starts, block_size, num_queries_per_kv, sliding_window, device, dtype
             )
             for seqs in (decode, chunks)
             if seqs
@@ -82,43 +85,56 @@ def _build_group(
     group: int,
     sliding_window: int | None,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> SeqGroup:
+    # Index lists are built in Python and turned into tensors in one call each:
+    # per-sequence tensor ops would cost more than the attention itself at decode.
     query_lens = [batch.query_lens[i] for i in seqs]
     max_query_len = max(query_lens)
     max_blocks = max(-(-batch.context_lens[i] // block_size) for i in seqs)
-    token_index: list[int] = []
-    row: list[int] = []
-    col: list[int] = []
-    block_ids = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
-    for r, i in enumerate(seqs):
-        q = batch.query_lens[i]
-        token_index.extend(range(starts[i], starts[i] + q))
-        row.extend([r] * q)
-        col.extend(range(q))
+    tables = []
+    for i in seqs:
         table = batch.block_tables[i][:max_blocks]
-        block_ids[r, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        tables.append(table + [0] * (max_blocks - len(table)))
+    token_index = [t for i in seqs for t in range(starts[i], starts[i] + batch.query_lens[i])]
     token_index_t = torch.tensor(token_index, dtype=torch.int64, device=device)
-    row_t = torch.tensor(row, dtype=torch.int64, device=device)
-    col_t = torch.tensor(col, dtype=torch.int64, device=device)
-    # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
-    query_pos = torch.zeros(len(seqs), max_query_len, dtype=torch.int64, device=device)
-    query_pos[row_t, col_t] = batch.positions.to(device)[token_index_t]
+    query_pos_flat = batch.positions.to(device)[token_index_t]
+    if max_query_len == 1:
+        row_t = col_t = token_index_t  # unused for decode
+        query_pos = query_pos_flat[:, None]
+    else:
+        row = [r for r, q in enumerate(query_lens) for _ in range(q)]
+        col = [c for q in query_lens for c in range(q)]
+        row_t = torch.tensor(row, dtype=torch.int64, device=device)
+        col_t = torch.tensor(col, dtype=torch.int64, device=device)
+        # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
+        query_pos = torch.zeros(len(seqs), max_query_len, dtype=torch.int64, device=device)
+        query_pos[row_t, col_t] = query_pos_flat
     key_pos = torch.arange(max_blocks * block_size, device=device)
-    allowed = key_pos[None, None, :] <= query_pos[:, :, None]
+    allowed = key_pos <= query_pos[:, :, None]
     if sliding_window is not None:
-        allowed &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
-    mask = (
-        allowed[:, None, None]
-        .expand(len(seqs), 1, group, max_query_len, key_pos.numel())
-        .reshape(len(seqs), 1, group * max_query_len, key_pos.numel())
+        allowed &= key_pos > query_pos[:, :, None] - sliding_window
+    # An additive mask in the activation dtype: SDPA would convert a boolean one in every layer.
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+        ~allowed, float("-inf")
     )
+    if max_query_len == 1:  # decode: one row per sequence, broadcast over heads
+        mask = bias[:, None]
+    else:
+        mask = (
+            bias[:, None, None]
+            .expand(len(seqs), 1, group, max_query_len, key_pos.numel())
+            .reshape(len(seqs), 1, group * max_query_len, key_pos.numel())
+        )
     return SeqGroup(
         token_index=token_index_t,
         row=row_t,
         col=col_t,
         num_seqs=len(seqs),
         max_query_len=max_query_len,
-        block_ids=block_ids.to(device),
+        block_ids=torch.tensor(tables, dtype=torch.int64, device=device).view(-1),
+        max_blocks=max_blocks,
+        covers_all_tokens=len(token_index) == batch.num_tokens,
         mask=mask,
     )
 
@@ -137,30 +153,40 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = layer_kv.shape[2], layer_kv.shape[3]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape) if len(meta.groups) > 1 else q  # q is only a placeholder
     for g in meta.groups:
         s, qlen = g.num_seqs, g.max_query_len
+        q_group = q if g.covers_all_tokens else q[g.token_index]
         if qlen == 1:
-            q_pad = q[g.token_index].view(s, 1, num_heads, head_dim)
+            q_fold = q_group.reshape(s, num_kv_heads, group, head_dim)
         else:
             q_pad = q.new_zeros(s, qlen, num_heads, head_dim)
-            q_pad[g.row, g.col] = q[g.token_index]
-        # [S, qlen, kvh, group, d] -> [S, kvh, group * qlen, d]: heads sharing a KV head stack up.
-        q_fold = (
-            q_pad.view(s, qlen, num_kv_heads, group, head_dim)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(s, num_kv_heads, group * qlen, head_dim)
+            q_pad[g.row, g.col] = q_group
+            # [S, qlen, kvh, group, d] -> [S, kvh, group * qlen, d]: heads sharing a KV head stack up.
+            q_fold = (
+                q_pad.view(s, qlen, num_kv_heads, group, head_dim)
+                .permute(0, 2, 3, 1, 4)
+                .reshape(s, num_kv_heads, group * qlen, head_dim)
+            )
+        # One gather lays the context out as [2, kvh, S, blocks * block_size, d]: selecting
+        # blocks along a middle dim makes each sequence's keys contiguous, with no second copy.
+        k_v = (
+            layer_kv.permute(1, 2, 0, 3, 4)
+            .index_select(2, g.block_ids)
+            .view(2, num_kv_heads, s, g.max_blocks * block_size, head_dim)
+            .transpose(1, 2)
         )
-        # [S, blocks, 2, kvh, bs, d] -> K, V of [S, kvh, blocks * bs, d]
-        ctx = layer_kv[g.block_ids]
-        num_keys = g.block_ids.shape[1] * block_size
-        k = ctx[:, :, 0].transpose(1, 2).reshape(s, num_kv_heads, num_keys, head_dim)
-        v = ctx[:, :, 1].transpose(1, 2).reshape(s, num_kv_heads, num_keys, head_dim)
-        o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
-        o = (
-            o.view(s, num_kv_heads, group, qlen, head_dim)
-            .permute(0, 3, 1, 2, 4)
-            .reshape(s, qlen, num_heads, head_dim)
-        )
-        out[g.token_index] = o[g.row, g.col] if qlen > 1 else o.view(s, num_heads, head_dim)
+        o = F.scaled_dot_product_attention(q_fold, k_v[0], k_v[1], attn_mask=g.mask, scale=scale)
+        if qlen == 1:
+            o_tokens = o.view(s, num_heads, head_dim)
+        else:
+            o = (
+                o.view(s, num_kv_heads, group, qlen, head_dim)
+                .permute(0, 3, 1, 2, 4)
+                .reshape(s, qlen, num_heads, head_dim)
+            )
+            o_tokens = o[g.row, g.col]
+        if g.covers_all_tokens:
+            return o_tokens
+        out[g.token_index] = o_tokens
     return out

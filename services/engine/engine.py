@@ -33,7 +33,7 @@ from services.engine.messages import (
 )
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampler
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import ScheduledRequest, Scheduler
 from services.engine.step_inputs import StepInputs, build_step_inputs
 
 __all__ = ["EngineModelInfo", "LLMEngine"]
@@ -172,7 +172,7 @@ class LLMEngine:
         self._record_step(inputs, time.perf_counter() - start_s)
         return outputs
 
-    def _advance(self, scheduled: Sequence) -> None:
+    def _advance(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """The scheduled tokens' KV is now in the pool: count it, name full blocks for reuse."""
         for item in scheduled:
             r = item.request
@@ -209,6 +209,8 @@ class LLMEngine:
         reason = self._finish_reason(r, token_id, stop_str_hit)
         held: HeldKV | None = None
         if reason is not None:
+            if reason is not FinishReason.PREFILLED and not stop_str_hit:
+                text += r.detokenizer.finish()  # flush text held back for a stop string
             held = self._finish(r, reason)
         return RequestOutput(
             request_id=r.request_id,
@@ -267,6 +269,8 @@ class LLMEngine:
         vocab = self._info.vocab_size
         if any(not 0 <= t < vocab for t in (*prompt, *message.output_token_ids)):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
+        if any(not 0 <= t < vocab for t in message.sampling.stop_token_ids):
+            raise InvalidRequestError(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
         num_tokens = len(prompt) + len(message.output_token_ids)
         if num_tokens >= self._info.max_model_len:
             raise InvalidRequestError(
@@ -281,10 +285,14 @@ class LLMEngine:
         r = Request.from_message(message)
         r.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
-            list(r.all_token_ids),  # context for the first new token's text
+            r.prompt_token_ids,
             stop=r.sampling.stop,
             include_stop_str_in_output=r.sampling.include_stop_str_in_output,
         )
+        # Outputs already streamed elsewhere: replay them (text discarded) so that text held
+        # back there (a split UTF-8 character, a partial stop string) completes here.
+        for token_id in r.output_token_ids:
+            r.detokenizer.add(token_id)
         self._requests[r.request_id] = r
         return r
 

@@ -19,11 +19,11 @@ from safetensors import safe_open
 
 from services.engine.config import ModelArgs
 from services.engine.messages import ModelLoadError
-from services.engine.model import CausalLM
+from services.engine.model import CausalLM, fuse_checkpoint
 from services.engine.tiny import TINY_ARGS, TINY_NAME, build_tiny_model
 from services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer", "resolve_dtype"]
+__all__ = ["LoadedModel", "load_causal_lm", "load_model", "load_tokenizer", "resolve_dtype"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -75,14 +75,20 @@ def load_model(
             dtype=torch_dtype,
             device=torch_device,
         )
+    model = load_causal_lm(name_or_path, dtype=dtype, device=device)
+    tokenizer = HFTokenizer(_model_folder(name_or_path), model.args.eos_token_ids)
+    args = dataclasses.replace(model.args, eos_token_ids=tokenizer.eos_token_ids)
+    model.args = args
+    dtype_ = model.model.embed_tokens.weight.dtype
+    return LoadedModel(model, args, tokenizer, name_or_path, dtype_, torch_device)
+
+
+def load_causal_lm(name_or_path: str, *, dtype: str = "auto", device: str = "cpu") -> CausalLM:
+    """The model alone, without a tokenizer (a folder needs config.json and safetensors)."""
     folder = _model_folder(name_or_path)
     args = _read_args(folder)
     torch_dtype = resolve_dtype(dtype, args.torch_dtype)
-    weight_files = _weight_files(folder)
-    tokenizer = HFTokenizer(folder, extra_eos_token_ids=args.eos_token_ids)
-    args = dataclasses.replace(args, eos_token_ids=tokenizer.eos_token_ids)
-    model = _build(args, weight_files, torch_dtype, torch_device)
-    return LoadedModel(model, args, tokenizer, name_or_path, torch_dtype, torch_device)
+    return _build(args, _weight_files(folder), torch_dtype, torch.device(device))
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
@@ -162,6 +168,10 @@ def _build(
                         state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
         except (OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read weights {path}: {e}") from e
+    try:
+        state = fuse_checkpoint(state)
+    except KeyError as e:
+        raise ModelLoadError(f"checkpoint does not match {args.architecture}: missing {e}") from e
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = [
         k for k in result.missing_keys if not (args.tie_word_embeddings and k == "lm_head.weight")

@@ -1,13 +1,16 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV pool.
 
-Module and parameter names follow the Hugging Face checkpoints
-(``model.layers.{i}.self_attn.q_proj.weight`` ...), so loading is a plain
-``load_state_dict``. One forward runs every scheduled token of every sequence
-as one flat ``[T, hidden]`` batch; only attention looks at sequence boundaries
-(see ``attention.py``).
+Module names follow the Hugging Face checkpoints, except that q/k/v and
+gate/up projections are fused (``qkv_proj``, ``gate_up_proj``): on a CPU at small
+batch every kernel launch counts, so a layer runs about twenty ops. ``fuse_checkpoint``
+maps a checkpoint's state dict onto these names. One forward runs every
+scheduled token of every sequence as one flat ``[T, hidden]`` batch; only
+attention looks at sequence boundaries (see ``attention.py``).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +21,52 @@ from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
-__all__ = ["CausalLM", "RMSNorm"]
+__all__ = ["FUSED_PROJECTIONS", "CausalLM", "RMSNorm", "fuse_checkpoint", "unfuse_checkpoint"]
+
+# fused module -> the checkpoint modules concatenated (along the output dim) into it
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_PART_RE = re.compile(r"^(.*\.)(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$")
+
+
+def fuse_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Concatenate per-projection checkpoint tensors into the fused ones; raise KeyError naming a missing part."""
+    fused = {k: v for k, v in state.items() if not _PART_RE.match(k)}
+    groups: set[tuple[str, str, str]] = set()
+    for key in state:
+        m = _PART_RE.match(key)
+        if m:
+            prefix, part, kind = m.groups()
+            target = next(t for t, parts in FUSED_PROJECTIONS.items() if part in parts)
+            groups.add((prefix, target, kind))
+    for prefix, target, kind in sorted(groups):
+        names = [f"{prefix}{part}.{kind}" for part in FUSED_PROJECTIONS[target]]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise KeyError(", ".join(missing))
+        fused[f"{prefix}{target}.{kind}"] = torch.cat([state[n] for n in names], dim=0)
+    return fused
+
+
+def unfuse_checkpoint(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The inverse of ``fuse_checkpoint``: Hugging Face names (to export, or to build an HF twin)."""
+    q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    sizes = {
+        "self_attn.qkv_proj": [q_dim, kv_dim, kv_dim],
+        "mlp.gate_up_proj": [args.intermediate_size, args.intermediate_size],
+    }
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        target = next((t for t in FUSED_PROJECTIONS if f".{t}." in key), None)
+        if target is None:
+            out[key] = tensor
+            continue
+        prefix, kind = key.split(f"{target}.")
+        for part, piece in zip(FUSED_PROJECTIONS[target], tensor.split(sizes[target], dim=0)):
+            out[f"{prefix}{part}.{kind}"] = piece
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +76,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as the checkpoints were trained.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Half types: normalise in float32 and cast back before the weight, as HF does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -43,9 +93,8 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.scale = args.head_dim**-0.5
         q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.qk_dim = q_dim + kv_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, q_dim + 2 * kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_proj_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -57,29 +106,29 @@ class Attention(nn.Module):
         kv: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, h = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side, so RoPE runs once over both.
+        qk = qkv[:, : self.qk_dim].view(num_tokens, h + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.qk_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rotary(qk, *cos_sin)
         layer_kv = kv[:, self.layer_idx]
-        write_kv(layer_kv, meta, k, v)
-        o = paged_attention(q, layer_kv, meta, self.scale)
-        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+        write_kv(layer_kv, meta, qk[:, h:], v)
+        o = paged_attention(qk[:, :h], layer_kv, meta, self.scale)
+        return self.o_proj(o.reshape(num_tokens, h * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -122,6 +171,10 @@ class CausalLM(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under Hugging Face checkpoint names (loadable into e.g. ``LlamaForCausalLM``)."""
+        return unfuse_checkpoint(self.state_dict(), self.args)
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's new tokens; writes their K/V into ``kv``.
@@ -136,9 +189,11 @@ class CausalLM(nn.Module):
             num_queries_per_kv=self.args.num_queries_per_kv,
             sliding_window=self.args.sliding_window,
             device=device,
+            dtype=self.model.embed_tokens.weight.dtype,
         )
         x = self.model.embed_tokens(batch.input_ids.to(device))
-        cos_sin = self.rotary.cos_sin(batch.positions.to(device), x.dtype)
+        positions = batch.positions.to(device)
+        cos_sin = self.rotary.cos_sin(positions, max(batch.context_lens) - 1, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos_sin, kv, meta)
         return self.model.norm(x)

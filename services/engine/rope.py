@@ -1,8 +1,8 @@
 """Rotary position embeddings (plain, linear and llama3-scaled), applied at absolute positions.
 
-The frequencies are computed in float32 from ``ModelArgs`` rather than stored in
-the checkpoint, and cos/sin are cast to the activation dtype only at the end,
-as the reference implementation does, so float32 logits match it to ~1e-6.
+Frequencies are computed in float32 from ``ModelArgs`` (they are not in the
+checkpoint); cos/sin tables are cast to the activation dtype once, as the
+reference implementation casts them, and indexed by position each step.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from services.engine.config import ModelArgs
 
 __all__ = ["RotaryEmbedding", "apply_rotary", "inverse_frequencies"]
 
+_MIN_TABLE_POSITIONS = 4096
+
 
 def inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, with any rope scaling applied."""
     dim = args.head_dim
-    inv_freq = 1.0 / (
-        args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
     scaling = args.rope_scaling or {}
     match scaling.get("rope_type", "default"):
         case "default":
@@ -51,27 +52,40 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Te
 
 
 class RotaryEmbedding:
-    """Computes cos/sin for a step's positions once; every layer reuses them."""
+    """cos/sin tables per (device, dtype), grown on demand; every layer reuses a step's rows."""
 
     def __init__(self, args: ModelArgs) -> None:
-        self._inv_freq_cpu = inverse_frequencies(args)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._inv_freq = inverse_frequencies(args)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] in ``dtype`` (broadcast over heads)."""
-        inv_freq = self._inv_freq.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq_cpu.to(positions.device)
-            self._inv_freq[positions.device] = inv_freq
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos and signed sin ([T, 1, head_dim], ``dtype``) for ``apply_rotary``.
+
+        ``max_position`` bounds ``positions`` (known from the batch without a device sync).
+        """
+        key = (positions.device, dtype)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] <= max_position:
+            size = max(_MIN_TABLE_POSITIONS, 1 << max_position.bit_length())
+            table = self._build(size, positions.device, dtype)
+            self._tables[key] = table
+        cos, sin = table
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def _build(
+        self, num_positions: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
+        # Signed sin folds rotate_half's negation in: rot(x) * sin == roll(x) * signed_sin.
+        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate [T, heads, head_dim] by the half-split convention of the HF checkpoints."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    rolled = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, rolled, signed_sin)

@@ -28,7 +28,9 @@ BLOCK_SIZE = 4
 
 
 def build(backend: str) -> Engine:
-    cfg = EngineConfig(device="cpu", block_size=BLOCK_SIZE, kv_cache_bytes=2**20, max_model_len=64)
+    cfg = EngineConfig(
+        device="cpu", block_size=BLOCK_SIZE, kv_cache_bytes=2**20, max_model_len=64, num_threads=1
+    )
     return make_engine(backend, ModelConfig(name="tiny", seed=0), cfg)
 
 
@@ -78,6 +80,8 @@ def test_runs_to_max_tokens_with_deltas(backend: str) -> None:
     assert outs[-1].finish_reason is FinishReason.LENGTH
     assert all(o.num_prompt_tokens == len(p) for o in outs)
     assert engine.stats().recent_output_lens[-1] == 7
+    # Text deltas add up to the decoded tokens.
+    assert "".join(o.new_text for o in outs) == engine.decode(tokens(outs))
 
 
 def test_greedy_is_deterministic_across_engines_and_batches(backend: str) -> None:

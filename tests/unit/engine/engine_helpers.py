@@ -14,6 +14,7 @@ from services.engine.messages import EngineRequest, RequestOutput, SamplingParam
 def make_engine(name: str | Path = "tiny", **engine_kw: object) -> LLMEngine:
     engine_kw.setdefault("device", "cpu")
     engine_kw.setdefault("block_size", 4)
+    engine_kw.setdefault("num_threads", 1)  # more threads than free cores thrash in CI
     cfg = EngineConfig.model_validate(engine_kw)
     return make_embedded_engine(ModelConfig(name=str(name), dtype="float32"), cfg)
 

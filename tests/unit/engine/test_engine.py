@@ -174,8 +174,20 @@ def test_generation_stops_with_length_at_the_context_limit() -> None:
         (EngineRequest("e", prompt(4), SamplingParams(max_tokens=-3)), "max_tokens"),
         (EngineRequest("e", (1, 2, 10**6), greedy(4)), "prompt"),
         (EngineRequest("e", prompt(4), SamplingParams(temperature=5.0)), "temperature"),
+        (
+            EngineRequest("e", prompt(4), greedy(4, stop_token_ids=(10**6,), min_tokens=2)),
+            "stop_token_ids",
+        ),
     ],
-    ids=["empty", "too_long", "zero_max_tokens", "negative_max_tokens", "bad_token", "temperature"],
+    ids=[
+        "empty",
+        "too_long",
+        "zero_max_tokens",
+        "negative_max_tokens",
+        "bad_token",
+        "temperature",
+        "bad_stop_token",
+    ],
 )
 def test_bad_inputs_raise_and_the_engine_keeps_serving(request_: EngineRequest, param: str) -> None:
     engine = make_engine(block_size=BS, max_model_len=32)
@@ -217,3 +229,69 @@ def test_abort_frees_blocks_and_stats_track_the_step() -> None:
     assert not engine.has_unfinished()
     s = engine.stats()
     assert s.num_free_blocks == total and s.running == ()
+
+
+# -- text, stop strings, logprobs -------------------------------------------------------
+
+
+def seeded(max_tokens: int = 40, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, seed=1, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def text_of(outs: list) -> str:  # type: ignore[type-arg]
+    return "".join(o.new_text for o in outs)
+
+
+def test_stop_string_truncates_text_and_finishes_with_stop() -> None:
+    engine = make_engine(block_size=BS)
+    p = tuple(engine.encode("Once upon a time"))
+    free = run_all_one(engine, EngineRequest("free", p, seeded()))
+    free_text = text_of(free)
+    assert text_of(free) == engine.decode(tokens_of(free))
+    stop = next(
+        free_text[i : i + 2]
+        for i in range(4, len(free_text))
+        if free_text[i : i + 2].isascii() and free_text[i : i + 2].isprintable()
+    )
+    cut = free_text.index(stop)
+    outs = run_all_one(engine, EngineRequest("s", p, seeded(stop=(stop,))))
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert text_of(outs) == free_text[:cut]
+    assert tokens_of(outs) == tokens_of(free)[: len(tokens_of(outs))]
+    with_stop = run_all_one(
+        engine, EngineRequest("w", p, seeded(stop=(stop,), include_stop_str_in_output=True))
+    )
+    assert text_of(with_stop) == free_text[: cut + len(stop)]
+
+
+def test_logprobs_are_reported_only_when_asked() -> None:
+    engine = make_engine(block_size=BS)
+    engine.add_request(EngineRequest("lp", prompt(5), greedy(3, logprobs=2)))
+    engine.add_request(EngineRequest("no", prompt(5), greedy(3)))
+    outs = run_all(engine)
+    for o in outs["lp"]:
+        assert o.logprobs is not None and len(o.logprobs) == 1
+        (lp,) = o.logprobs
+        assert lp.token_id == o.new_token_ids[0] and len(lp.top) == 2
+        # Greedy picks the most likely token: its logprob is the best of the top list.
+        assert lp.logprob >= lp.top[0][1] - 1e-6
+    assert all(o.logprobs is None for o in outs["no"])
+
+
+def test_adopted_request_survives_preemption_with_the_same_tokens() -> None:
+    p = prompt(10)
+    reference = serve(make_engine(block_size=BS), [EngineRequest("x", p, greedy(30))])["x"]
+    # 10 blocks of 4: x (up to 40 tokens) competes with an older request and is preempted.
+    engine = make_engine(block_size=BS, kv_cache_bytes=10 * 2 * 2 * 2 * BS * 16 * 4)
+    engine.add_request(EngineRequest("old", prompt(6, start=90), greedy(30)))
+    engine.step()
+    ids = engine.adopt(EngineRequest("x", p, greedy(30), output_token_ids=(reference[0],)))
+    prefill = make_engine(block_size=BS)
+    prefill.add_request(EngineRequest("x", p, greedy(30), prefill_only=True))
+    (first,) = run_all(prefill)["x"]
+    assert first.held_kv is not None
+    engine.kv_storage[torch.tensor(ids)] = prefill.kv_storage[torch.tensor(first.held_kv.block_ids)]
+    engine.start_adopted("x")
+    outs = run_all(engine)
+    assert engine.stats().num_preemptions > 0
+    assert [reference[0], *tokens_of(outs["x"])] == reference

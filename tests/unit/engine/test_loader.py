@@ -33,7 +33,7 @@ def test_tiny_weights_are_deterministic_in_the_seed() -> None:
     a, b, c = load_model("tiny", seed=7), load_model("tiny", seed=7), load_model("tiny", seed=8)
     sa, sb, sc = a.model.state_dict(), b.model.state_dict(), c.model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    q = "model.layers.0.self_attn.q_proj.weight"
+    q = "model.layers.0.self_attn.qkv_proj.weight"
     assert not torch.equal(sa[q], sc[q])
     assert a.model.lm_head.weight is a.model.model.embed_tokens.weight  # tied
     assert a.args.vocab_size == a.tokenizer.vocab_size
@@ -167,3 +167,44 @@ def test_transformers4_style_rope_config() -> None:
     assert (args.head_dim, args.torch_dtype, args.eos_token_ids) == (8, "bfloat16", (1, 2))
     with pytest.raises(UnsupportedModelError, match="yarn"):
         ModelArgs.from_hf_config({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_hf_state_dict_round_trips_the_checkpoint(
+    hf_checkpoint: Callable[[str], HFCheckpoint],
+) -> None:
+    ckpt = hf_checkpoint("qwen2")  # biases on q/k/v, tied embeddings
+    ours = load_model(str(ckpt.folder)).model.hf_state_dict()
+    theirs = ckpt.model.state_dict()
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_tiny_weights_load_into_a_transformers_llama() -> None:
+    """The tiny model has a transformers twin (benchmarks compare against it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.engine.tiny import TINY_ARGS as a
+
+    loaded = load_model("tiny")
+    twin = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=a.vocab_size,
+            hidden_size=a.hidden_size,
+            intermediate_size=a.intermediate_size,
+            num_hidden_layers=a.num_layers,
+            num_attention_heads=a.num_heads,
+            num_key_value_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            rms_norm_eps=a.rms_norm_eps,
+            rope_theta=a.rope_theta,
+            tie_word_embeddings=True,
+        )
+    ).eval()
+    twin.load_state_dict(loaded.model.hf_state_dict(), strict=True)
+    ids = loaded.tokenizer.encode("hello tiny")
+    with torch.no_grad():
+        ref = twin(torch.tensor([ids])).logits[0]
+    from tests.unit.engine.test_model_parity import PagedRunner
+
+    (got,) = PagedRunner(loaded.model).step([("a", ids)])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
