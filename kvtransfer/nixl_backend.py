@@ -245,8 +245,14 @@ class NixlConnector:
         )
         self._pulls[tid] = pull
         self._states.set(tid, TransferState.TRANSFERRING)
-        if self._agent.transfer(xfer) == "ERR":
-            self._fail(pull, "posting the READ failed")
+        try:
+            posted = self._agent.transfer(xfer)
+        except Exception as exc:  # NIXL raises its own binding errors
+            posted, reason = "ERR", f"posting the READ failed: {exc}"
+        else:
+            reason = "posting the READ failed"
+        if posted == "ERR":
+            self._fail(pull, reason)
         return tid
 
     def poll(self, transfer_id: str) -> TransferState:

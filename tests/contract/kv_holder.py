@@ -26,6 +26,14 @@ def fill_block(block: torch.Tensor, seed: int, block_id: int) -> None:
     bits.copy_(torch.randint(-(2**31), 2**31 - 1, bits.shape, generator=gen, dtype=torch.int32))
 
 
+def make_pool(spec: HolderSpec) -> torch.Tensor:
+    dtype = getattr(torch, spec.layout.dtype)
+    pool = torch.empty((spec.num_blocks, *spec.layout.block_shape), dtype=dtype)
+    for b in range(spec.num_blocks):
+        fill_block(pool[b], spec.seed, b)
+    return pool.to(spec.device)
+
+
 def expected_blocks(layout: KVLayout, seed: int, block_ids: list[int]) -> torch.Tensor:
     out = torch.empty((len(block_ids), *layout.block_shape), dtype=getattr(torch, layout.dtype))
     for i, b in enumerate(block_ids):
@@ -34,7 +42,8 @@ def expected_blocks(layout: KVLayout, seed: int, block_ids: list[int]) -> torch.
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+    a, b = a.cpu().contiguous(), b.cpu().contiguous()
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,7 @@ class HolderSpec:
     seed: int = 0
     lease_s: float = 30.0
     transfer_timeout_s: float = 5.0
+    device: str = "cpu"
 
 
 def _serve(spec: HolderSpec, pipe: Any) -> None:
@@ -52,10 +62,7 @@ def _serve(spec: HolderSpec, pipe: Any) -> None:
     conn = make_connector(
         spec.backend, lease_s=spec.lease_s, transfer_timeout_s=spec.transfer_timeout_s
     )
-    dtype = getattr(torch, spec.layout.dtype)
-    pool = torch.empty((spec.num_blocks, *spec.layout.block_shape), dtype=dtype)
-    for b in range(spec.num_blocks):
-        fill_block(pool[b], spec.seed, b)
+    pool = make_pool(spec)
     conn.register(REGION, pool, spec.layout)
     pipe.send(("ready", conn.agent_name))
 
@@ -163,10 +170,7 @@ class InProcessHolder:
         self.conn = make_connector(
             spec.backend, lease_s=spec.lease_s, transfer_timeout_s=spec.transfer_timeout_s
         )
-        dtype = getattr(torch, spec.layout.dtype)
-        self.pool = torch.empty((spec.num_blocks, *spec.layout.block_shape), dtype=dtype)
-        for b in range(spec.num_blocks):
-            fill_block(self.pool[b], spec.seed, b)
+        self.pool = make_pool(spec)
         self.conn.register(REGION, self.pool, spec.layout)
         self.agent_name = self.conn.agent_name
         self.released: dict[str, list[list[int]]] = {}
