@@ -12,8 +12,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from router.policy import Policy, available_policies, make_policy
-from router.types import Role
+from router.policy import Policy, available_policies, make_policy, make_policy_from_settings
+from router.types import SLO, Role
 from services.cluster.controller import Controller, ControllerConfig, Launcher
 from services.config import GatewayConfig, ModelConfig, RouterConfig
 from services.engine.messages import SamplingParams
@@ -40,8 +40,9 @@ class GatewaySettings:
     kv_backend: str
 
 
-def choose_policy(name: str) -> tuple[str, Policy]:
-    """The configured policy, or round_robin (said loudly) while it is not available."""
+def choose_policy(router: RouterConfig) -> tuple[str, Policy]:
+    """The configured policy with its settings, or round_robin (said loudly) if it is unknown."""
+    name = router.policy
     if name not in available_policies():
         log.warning(
             "router policy %r is not available (have: %s); falling back to %r",
@@ -49,8 +50,17 @@ def choose_policy(name: str) -> tuple[str, Policy]:
             ", ".join(available_policies()),
             _FALLBACK_POLICY,
         )
-        name = _FALLBACK_POLICY
-    return name, make_policy(name)
+        return _FALLBACK_POLICY, make_policy(_FALLBACK_POLICY)
+    slo = router.default_slo
+    settings = {
+        "profile": router.profile,
+        "default_slo": SLO(ttft_s=slo.ttft_ms / 1e3, tpot_s=slo.tpot_ms / 1e3),
+        "length_split": router.length_split,
+        "length_threshold_tokens": router.length_threshold_tokens,
+        "memory_fraction": router.memory_fraction,
+        "max_hold_s": router.max_hold_s,
+    }
+    return name, make_policy_from_settings(name, settings)
 
 
 class GatewayService:
@@ -75,7 +85,7 @@ class GatewayService:
             on_worker_down=self._on_worker_down,
             config=controller_config,
         )
-        self.policy_name, policy = choose_policy(settings.router.policy)
+        self.policy_name, policy = choose_policy(settings.router)
         self.executor = PlanExecutor(
             self.state,
             self.controller.client,

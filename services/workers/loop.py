@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from services.engine.messages import (
     EngineRequest,
     InvalidRequestError,
     RequestOutput,
+    StepStats,
 )
 from services.workers.messages import (
     Continue,
@@ -57,6 +59,7 @@ _IDLE_POLL_S = 0.0005  # while a pull is in flight
 # serialisation does not compete with the token that caused it; and no more often
 # than every _MIN_PUBLISH_GAP_S under load.
 _PUBLISH_DELAY_S = 0.002
+_STEP_HISTORY = 256  # step end times kept to stamp the engine's recent steps
 _MIN_PUBLISH_GAP_S = 0.005
 
 
@@ -120,6 +123,7 @@ class EngineLoop:
         self._held: dict[str, str] = {}  # request_id -> transfer_id of its hold
         self._seq = 0
         self._num_finished = 0
+        self._step_ends_s: deque[float] = deque(maxlen=_STEP_HISTORY)
         self._last_publish_s = 0.0
         self._dirty = True
         self._dirty_since_s = 0.0
@@ -160,13 +164,20 @@ class EngineLoop:
         while not self._stopping.is_set():
             self._apply_commands()
             self._progress_transfers()
-            outputs = self._engine.step() if self._engine.has_unfinished() else []
+            outputs = self._step()
             self._deliver(outputs)
             self._publish_if_due()
             if not outputs:
                 self._wait_for_work()
         if self._connector is not None:
             self._connector.close()
+
+    def _step(self) -> list[RequestOutput]:
+        if not self._engine.has_unfinished():
+            return []
+        outputs = self._engine.step()
+        self._step_ends_s.append(time.monotonic())
+        return outputs
 
     def _wait_for_work(self) -> None:
         if self._pulls:
@@ -346,12 +357,7 @@ class EngineLoop:
                 for r in stats.running
             ),
             waiting_prompt_lens=stats.waiting_prompt_lens,
-            recent_steps=tuple(
-                StepSample(
-                    s.duration_s, s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens
-                )
-                for s in stats.recent_steps
-            ),
+            recent_steps=_stamped(stats.recent_steps, self._step_ends_s),
             recent_output_lens=stats.recent_output_lens,
             num_preemptions=stats.num_preemptions,
             num_pending_pulls=len(self._pulls),
@@ -360,6 +366,22 @@ class EngineLoop:
             max_num_seqs=self._max_num_seqs,
             max_model_len=self._engine.model_info.max_model_len,
         )
+
+
+def _stamped(steps: Sequence[StepStats], ends_s: Sequence[float]) -> tuple[StepSample, ...]:
+    """Steps with the time each ended (the router de-duplicates telemetry by it).
+
+    The engine's StepStats carry no clock, so the newest steps are matched with
+    the loop's newest ``step()`` calls, in order.
+    """
+    ends = list(ends_s)[-len(steps) :] if steps else []
+    ends = [0.0] * (len(steps) - len(ends)) + ends
+    return tuple(
+        StepSample(
+            s.duration_s, s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens, end_s
+        )
+        for s, end_s in zip(steps, ends, strict=True)
+    )
 
 
 def _to_delta(out: RequestOutput, handle: BlockHandle | None, worker_id: str) -> TokenDelta:

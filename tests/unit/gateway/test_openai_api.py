@@ -225,3 +225,23 @@ async def test_models_metrics_openapi(gateway: Any) -> None:
     assert {"ChatCompletionRequest", "CompletionRequest", "ChatMessage"} <= set(schemas)
     missing = await client.get("/v1/nothing")
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "prefix_aware", "slo_goodput"])
+async def test_every_policy_places_requests_on_a_2p2d_cluster(gateway: Any, policy: str) -> None:
+    svc, client = await gateway(
+        **{
+            "router.policy": policy,
+            "router.max_hold_s": 2.0,
+            "workers.prefill": 2,
+            "workers.decode": 2,
+        }
+    )
+    assert svc.policy_name == policy
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 8, "temperature": 0}
+    texts = set()
+    for _ in range(6):
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        texts.add(r.json()["choices"][0]["text"])
+    assert len(texts) == 1  # same text whichever workers served it
