@@ -161,3 +161,21 @@ def test_dead_decode_worker_is_replaced_and_the_stream_continues(
         assert time.monotonic() < deadline, "dead worker was not replaced"
         time.sleep(0.2)
     assert len(nixl_2p2d.svc.controller.workers()) == 4
+
+
+def test_an_idle_dead_worker_is_noticed_within_a_second(nixl_2p2d: ServedGateway) -> None:
+    import ray
+
+    deadline = time.monotonic() + 60
+    while not nixl_2p2d.svc.controller.is_ready():  # a replacement may still be starting
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    victim = "prefill-1"
+    client = nixl_2p2d.svc.controller.client(victim)
+    assert client is not None
+    killed_s = time.monotonic()
+    ray.kill(client.actor, no_restart=True)  # type: ignore[attr-defined]
+    while victim in nixl_2p2d.svc.controller.workers():
+        assert time.monotonic() - killed_s < 1.0, "death not noticed within a second"
+        time.sleep(0.01)
+    assert not nixl_2p2d.svc.state.is_alive(victim)  # the router no longer sees it
