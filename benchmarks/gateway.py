@@ -22,8 +22,15 @@ import json
 import multiprocessing as mp
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+# Run as a script, this folder comes first on sys.path, and benchmarks/kvtransfer.py
+# would shadow the kvtransfer package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 PROMPT = "Hello!"
 MODEL = "tiny"

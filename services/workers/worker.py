@@ -16,6 +16,7 @@ Call order seen from the gateway::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ class Worker:
         finished = False
         try:
             while not finished:
-                event = await events.get()
+                event = _coalesce(await events.get(), events)
                 finished = isinstance(event, RequestFailed) or (
                     isinstance(event, TokenDelta) and event.finish_reason is not None
                 )
@@ -167,3 +168,26 @@ class Worker:
     def _wake_subscribers(self) -> None:
         for wake in self._subscribers:
             wake.set()
+
+
+def _coalesce(event: WorkerEvent, queued: asyncio.Queue[WorkerEvent]) -> WorkerEvent:
+    """Merge token deltas that piled up behind ``event`` (only when the consumer lags).
+
+    One stream item per engine step is the rule; under overload, one item per
+    several steps costs one Ray round trip instead of several, and a delta is
+    "everything since the last one" either way.
+    """
+    while isinstance(event, TokenDelta) and event.finish_reason is None and not queued.empty():
+        follower = queued.get_nowait()
+        if not isinstance(follower, TokenDelta):
+            queued.put_nowait(follower)  # keep order: rare (a failure after tokens)
+            break
+        event = dataclasses.replace(
+            follower,
+            token_ids=event.token_ids + follower.token_ids,
+            text=event.text + follower.text,
+            logprobs=(event.logprobs or ()) + (follower.logprobs or ())
+            if event.logprobs or follower.logprobs
+            else None,
+        )
+    return event
