@@ -43,13 +43,29 @@ async def worker():  # type: ignore[no-untyped-def]
         await w.shutdown()
 
 
-async def test_tokens_stream_one_delta_per_step(worker) -> None:  # type: ignore[no-untyped-def]
+async def test_tokens_stream_as_they_are_produced(worker) -> None:  # type: ignore[no-untyped-def]
     w = worker()
-    events = [e async for e in w.generate(Generate(request("r", max_tokens=5)))]
-    assert all(isinstance(e, TokenDelta) and len(e.token_ids) == 1 for e in events)
-    assert len(events) == 5 and events[-1].finish_reason is FinishReason.LENGTH
-    assert [e.num_output_tokens for e in events] == [1, 2, 3, 4, 5]
-    assert {e.worker_id for e in events} == {"w"}
+    stream = w.generate(Generate(request("r", max_tokens=300)))
+    first = await anext(stream)  # the consumer waits: the first step's delta comes alone
+    assert isinstance(first, TokenDelta) and first.num_output_tokens == 1
+    assert first.finish_reason is None and first.worker_id == "w"
+    rest = [e async for e in stream]
+    tokens = [t for e in (first, *rest) if isinstance(e, TokenDelta) for t in e.token_ids]
+    assert len(tokens) == 300 and rest[-1].finish_reason is FinishReason.LENGTH
+    counts = [e.num_output_tokens for e in rest if isinstance(e, TokenDelta)]
+    assert counts == sorted(counts) and counts[-1] == 300
+
+
+async def test_a_lagging_consumer_gets_merged_deltas_with_nothing_lost(worker) -> None:  # type: ignore[no-untyped-def]
+    w = worker()
+    full = "".join([e.text async for e in w.generate(Generate(request("a", max_tokens=40)))])  # type: ignore[union-attr]
+    merged: list[TokenDelta] = []
+    async for e in w.generate(Generate(request("b", max_tokens=40))):
+        assert isinstance(e, TokenDelta)
+        merged.append(e)
+        await asyncio.sleep(0.01)  # slower than the engine
+    assert "".join(e.text for e in merged) == full
+    assert sum(len(e.token_ids) for e in merged) == 40 and len(merged) < 40
 
 
 async def test_telemetry_is_periodic_and_follows_admissions(worker) -> None:  # type: ignore[no-untyped-def]
