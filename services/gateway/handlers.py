@@ -246,6 +246,7 @@ async def _events(
 
 async def respond(svc: GatewayService, gen: Generation, request: Request) -> Any:
     if not svc.try_admit():
+        _count(svc, "rejected", len(gen.choices))
         raise Overloaded("too many requests in flight", 1.0)
     arrival_s = time.monotonic()
     events = _events(svc, gen, arrival_s)
@@ -253,10 +254,11 @@ async def respond(svc: GatewayService, gen: Generation, request: Request) -> Any
         first = await anext(events)  # placement errors become HTTP statuses here
     except StopAsyncIteration:
         first = None
-    except BaseException:
+    except BaseException as e:
         svc.finish()
         await events.aclose()
-        _count(svc, "rejected_or_error", len(gen.choices))
+        outcome = {Overloaded: "rejected", asyncio.CancelledError: "aborted"}.get(type(e), "error")
+        _count(svc, outcome, len(gen.choices))
         raise
     if gen.stream:
         return StreamingResponse(
@@ -320,6 +322,9 @@ async def _collect(
             take(i, d)
     except APIError:
         _count(svc, "error", n)
+        raise
+    except asyncio.CancelledError:  # the client hung up
+        _count(svc, "aborted", n)
         raise
     for i, c in enumerate(gen.choices):
         timers[i].on_finish(len(c.prompt_token_ids))

@@ -7,6 +7,7 @@ launcher (Ray actors in ``baton serve``, in-process workers in unit tests).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -165,6 +166,16 @@ class GatewayService:
         self.state.mark_dead(worker_id)
         self.metrics.workers.labels(role.value, "dead").inc()
         self._count_workers()
+        m = self.metrics
+        for r in Role:  # the worker may have changed role: drop every series it had
+            for state in ("used", "free", "cached", "held"):
+                with contextlib.suppress(KeyError):
+                    m.kv_blocks.remove(worker_id, r.value, state)
+            for state in ("running", "waiting"):
+                with contextlib.suppress(KeyError):
+                    m.worker_requests.remove(worker_id, r.value, state)
+        with contextlib.suppress(KeyError):
+            m.worker_preemptions.remove(worker_id)
 
     def _count_workers(self) -> None:
         alive: dict[str, int] = {r.value: 0 for r in Role}

@@ -6,6 +6,7 @@ the Ray path is covered in tests/integration and by the ``baton serve`` tests.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -161,3 +162,25 @@ def test_health_and_metrics(server: ServedGateway) -> None:
         'baton_kv_transfer_bytes_total{backend="local"}',
     ):
         assert name in metrics
+
+
+def test_non_streaming_client_that_gives_up_aborts_its_request(server: ServedGateway) -> None:
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 1800, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.5)
+
+    async def busy_workers() -> dict[str, int]:
+        out = {}
+        for worker_id in server.svc.controller.workers():
+            client = server.svc.controller.client(worker_id)
+            assert client is not None
+            s = await client.snapshot()
+            out[worker_id] = len(s.running) + s.num_held_blocks
+        return out
+
+    deadline = time.monotonic() + 3.0
+    while any(server.call(busy_workers()).values()):
+        assert time.monotonic() < deadline, server.call(busy_workers())
+        time.sleep(0.05)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    assert 'baton_requests_total{model="tiny",outcome="aborted"} 1.0' in text
