@@ -75,30 +75,11 @@ def hf_tiny(loaded: LoadedModel) -> Any:
         tie_word_embeddings=a.tie_word_embeddings,
     )
     model = LlamaForCausalLM(cfg)
-    state = unfuse(loaded.model.state_dict(), a)
+    state = {k: v for k, v in loaded.model.hf_state_dict().items() if not k.startswith("rotary")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if [k for k in missing if "rotary" not in k] or unexpected:
         raise RuntimeError(f"tiny -> HF weight mismatch: {missing} {unexpected}")
     return model
-
-
-def unfuse(state: dict[str, torch.Tensor], a: Any) -> dict[str, torch.Tensor]:
-    """Our fused qkv / gate_up projections back into the checkpoint's separate ones."""
-    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if key.startswith("rotary"):
-            continue
-        if ".self_attn.qkv_proj." in key:
-            for part, t in zip("qkv", value.split([q_dim, kv_dim, kv_dim], dim=0)):
-                out[key.replace("qkv_proj", f"{part}_proj")] = t
-        elif ".mlp.gate_up_proj." in key:
-            gate, up = value.chunk(2, dim=0)
-            out[key.replace("gate_up_proj", "gate_proj")] = gate
-            out[key.replace("gate_up_proj", "up_proj")] = up
-        else:
-            out[key] = value
-    return out
 
 
 def save_llama_100m(folder: Path) -> Any:
