@@ -4,9 +4,12 @@ For each backend a holder process lends blocks and this process pulls them:
 1 MiB, 16 MiB and 256 MiB contiguous (1 MiB blocks, adjacent ids), and a
 scattered case (random 16 KiB blocks, 64 MiB in all, random ids on both sides).
 The baseline is ``torch`` ``copy_`` of the same number of bytes between two
-buffers in this process, measured in the same run (``gather_copy_gbps`` adds an
+buffers in this process, allocated like the pools (``alloc_region``: huge pages
+on CPU where Linux allows) and measured in the same run (``gather_copy_gbps`` adds an
 in-process gather/scatter of the same scattered blocks). Timed: ``pull`` to
-``DONE``, including the completion check, median of several runs after a warm-up.
+``DONE``, including the completion check; medians of several runs after a
+warm-up, each pull followed by its baselines so that load from other processes
+on a shared machine hits both alike.
 
 Prints one JSON line per (backend, case):
 ``{"backend", "size_bytes", "scattered", "gbps", "memcpy_gbps", "ratio", ...}``.
@@ -30,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtransfer import KVConnector, KVLayout, TransferState, make_connector
+from kvtransfer import KVConnector, KVLayout, TransferState, alloc_region, make_connector
 
 MIB = 1 << 20
 BIG = KVLayout(num_layers=8, block_size=16, num_kv_heads=4, head_dim=256, dtype="float32")
@@ -52,16 +55,16 @@ class Case:
 
 
 CASES = [
-    Case("big", 1, False, 20),
+    Case("big", 1, False, 30),
     Case("big", 16, False, 10),
-    Case("big", 256, False, 4),
-    Case("small", 4096, True, 4),  # 64 MiB of random 16 KiB blocks
+    Case("big", 256, False, 5),
+    Case("small", 4096, True, 6),  # 64 MiB of random 16 KiB blocks
 ]
 
 
 def _pools(device: str) -> dict[str, torch.Tensor]:
     return {
-        name: torch.ones((n, *layout.block_shape), device=device)
+        name: alloc_region((n, *layout.block_shape), torch.float32, device).fill_(1.0)
         for name, (layout, n) in REGIONS.items()
     }
 
@@ -84,19 +87,47 @@ def _holder(backend: str, device: str, pipe: Any) -> None:
         conn.progress()
 
 
-def _median_s(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed_s(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def _pull_s(conn: KVConnector, pipe: Any, case: Case, rng: random.Random) -> float:
+def _baselines(case: Case, device: str, rng: random.Random) -> dict[str, Callable[[], None]]:
+    """In-process copies of the same bytes: plain copy_, and (scattered) gather/scatter."""
+
+    def synced(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        return run
+
+    # same allocation as the transfer pools, so both sides get the same page size
+    src = alloc_region((case.size_bytes // 4,), torch.float32, device).fill_(1.0)
+    dst = alloc_region((case.size_bytes // 4,), torch.float32, device)
+    fns = {"memcpy": synced(lambda: dst.copy_(src))}
+    if case.scattered:
+        layout, n_region = REGIONS[case.region]
+        pool_a = alloc_region((n_region, *layout.block_shape), torch.float32, device)
+        pool_b = alloc_region((n_region, *layout.block_shape), torch.float32, device)
+        held = torch.tensor(rng.sample(range(n_region), case.num_blocks), device=device)
+        local = torch.tensor(rng.sample(range(n_region), case.num_blocks), device=device)
+        fns["gather_copy"] = synced(
+            lambda: pool_b.index_copy_(0, local, pool_a.index_select(0, held))
+        )
+    return fns
+
+
+def _measure(
+    conn: KVConnector, pipe: Any, case: Case, device: str, rng: random.Random
+) -> dict[str, float]:
+    """Median seconds of the pull and of each baseline, interleaved run by run so that
+    load from other processes on a shared machine hits both alike."""
     n_region = REGIONS[case.region][1]
-    times = []
+    baselines = _baselines(case, device, rng)
+    times: dict[str, list[float]] = {"pull": [], **{name: [] for name in baselines}}
     for i in range(case.repeats + 1):
         if case.scattered:
             held = rng.sample(range(n_region), case.num_blocks)
@@ -112,36 +143,13 @@ def _pull_s(conn: KVConnector, pipe: Any, case: Case, rng: random.Random) -> flo
         elapsed = time.perf_counter() - start
         if state is not TransferState.DONE:
             raise RuntimeError(f"{conn.name} pull failed: {case}")
-        if i > 0:  # the first pull also connects to the peer
-            times.append(elapsed)
-    return statistics.median(times)
-
-
-def _baseline_s(case: Case, device: str, rng: random.Random) -> tuple[float, float]:
-    nbytes = case.size_bytes
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-
-    def copy() -> None:
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    memcpy_s = _median_s(copy, case.repeats)
-    if not case.scattered:
-        return memcpy_s, memcpy_s
-    layout, n_region = REGIONS[case.region]
-    pool_a = torch.ones((n_region, *layout.block_shape), device=device)
-    pool_b = torch.empty_like(pool_a)
-    held = torch.tensor(rng.sample(range(n_region), case.num_blocks), device=device)
-    local = torch.tensor(rng.sample(range(n_region), case.num_blocks), device=device)
-
-    def gather_scatter() -> None:
-        pool_b.index_copy_(0, local, pool_a.index_select(0, held))
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    return memcpy_s, _median_s(gather_scatter, case.repeats)
+        baseline_s = {name: _timed_s(fn) for name, fn in baselines.items()}
+        if i == 0:
+            continue  # warm-up: the first pull also connects to the peer
+        times["pull"].append(elapsed)
+        for name, t in baseline_s.items():
+            times[name].append(t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run_backend(backend: str, device: str) -> list[dict[str, Any]]:
@@ -158,10 +166,9 @@ def run_backend(backend: str, device: str) -> list[dict[str, Any]]:
             raise RuntimeError("holder did not start")
         rng = random.Random(0)
         for case in CASES:
-            pull_s = _pull_s(conn, pipe, case, rng)
-            memcpy_s, gather_s = _baseline_s(case, device, rng)
-            gbps = case.size_bytes / pull_s / 1e9
-            memcpy_gbps = case.size_bytes / memcpy_s / 1e9
+            median_s = _measure(conn, pipe, case, device, rng)
+            gbps = case.size_bytes / median_s["pull"] / 1e9
+            memcpy_gbps = case.size_bytes / median_s["memcpy"] / 1e9
             row = {
                 "backend": backend,
                 "device": device,
@@ -170,10 +177,11 @@ def run_backend(backend: str, device: str) -> list[dict[str, Any]]:
                 "gbps": round(gbps, 3),
                 "memcpy_gbps": round(memcpy_gbps, 3),
                 "ratio": round(gbps / memcpy_gbps, 3),
+                "pull_ms": round(median_s["pull"] * 1e3, 3),
             }
             if case.scattered:
                 row["block_bytes"] = REGIONS[case.region][0].block_bytes
-                row["gather_copy_gbps"] = round(case.size_bytes / gather_s / 1e9, 3)
+                row["gather_copy_gbps"] = round(case.size_bytes / median_s["gather_copy"] / 1e9, 3)
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:

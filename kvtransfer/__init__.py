@@ -18,7 +18,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtransfer.connector import KVConnector, KVTransferError, ReleaseCallback, UnknownHandleError
+from kvtransfer.connector import (
+    KVConnector,
+    KVTransferError,
+    ReleaseCallback,
+    ReportsOpenTransfers,
+    UnknownHandleError,
+)
+from kvtransfer.memory import advise_huge_pages, alloc_region
 from kvtransfer.types import BlockHandle, KVLayout, LayoutMismatchError, TransferState
 
 __all__ = [
@@ -28,8 +35,11 @@ __all__ = [
     "KVTransferError",
     "LayoutMismatchError",
     "ReleaseCallback",
+    "ReportsOpenTransfers",
     "TransferState",
     "UnknownHandleError",
+    "advise_huge_pages",
+    "alloc_region",
     "available_backends",
     "make_connector",
 ]

@@ -38,7 +38,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvtransfer.types import BlockHandle, KVLayout, TransferState
 
-__all__ = ["KVConnector", "KVTransferError", "ReleaseCallback", "UnknownHandleError"]
+__all__ = [
+    "KVConnector",
+    "KVTransferError",
+    "ReleaseCallback",
+    "ReportsOpenTransfers",
+    "UnknownHandleError",
+]
 
 ReleaseCallback = Callable[[Sequence[int]], None]
 
@@ -75,8 +81,16 @@ class KVConnector(Protocol):
 
     def progress(self) -> None: ...
 
-    def num_open_transfers(self) -> int:
-        """Puller-side resources still held (pulls not final, transfer handles, threads)."""
-        ...
-
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ReportsOpenTransfers(Protocol):
+    """Opt-in capability (every built-in backend has it): what a puller still holds.
+
+    Counts pulls not yet final plus resources a finished pull has not yet given
+    back (NIXL transfer handles NIXL could not cancel yet, torch pull threads
+    still unwinding). Zero once everything a failure left behind is cleaned up.
+    """
+
+    def num_open_transfers(self) -> int: ...

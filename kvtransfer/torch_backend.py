@@ -1,11 +1,12 @@
 """torch.distributed backend: two-sided send/recv, gloo on CPU and NCCL on CUDA.
 
-Each pull gets its own two-rank process group, built directly (never the
-global default group, so any number of P/D pairs coexist in one process):
+The holder listens on the address it advertises in ``peer_info``; a puller
+opens one channel per holder (``kvtransfer.torch_channel``: a control socket
+plus a two-rank group built directly, never the global default group, so any
+number of P/D pairs coexist in one process) and runs each pull on a thread:
 
-    D (puller thread)                     P (holder: accept + per-pull threads)
-    connect to peer_info's address  ───▶  pin the hold, or refuse (-> FAILED)
-    rank 1 of a fresh group         ◀──▶  rank 0; rendezvous over this socket
+    D (pull thread)                       P (one thread per channel)
+    "pull" transfer_id              ───▶  pin the hold, or refuse (-> FAILED)
     recv into a staging buffer      ◀───  send the held blocks
     copy into local blocks, "done"  ───▶  queue the completion; progress() frees
 
@@ -16,6 +17,7 @@ puller has already taken back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -25,7 +27,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,26 +35,12 @@ from kvtransfer.connector import KVTransferError, ReleaseCallback, UnknownHandle
 from kvtransfer.leases import LeaseTable
 from kvtransfer.regions import Region, check_block_ids, check_pull, make_region
 from kvtransfer.states import StateTable
+from kvtransfer.torch_channel import PullChannel, serve_channel
 from kvtransfer.types import BlockHandle, KVLayout, TransferState
-from kvtransfer.wire import DictStore, SocketStore, recv_msg, send_msg, serve_store_ops
 
 __all__ = ["TorchConnector"]
 
 log = logging.getLogger(__name__)
-
-
-def _make_group(store: Any, rank: int, host: str, device: torch.device, timeout_s: float) -> Any:
-    import torch.distributed as dist
-
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        nccl_opts = dist.ProcessGroupNCCL.Options()
-        nccl_opts._timeout = timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, 2, nccl_opts)
-    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    opts._timeout = timedelta(seconds=timeout_s)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(store, rank, 2, opts)
 
 
 def _held_tensor(region: Region, block_ids: tuple[int, ...]) -> torch.Tensor:
@@ -126,12 +113,15 @@ class TorchConnector:
         self._leases = LeaseTable(clock)
         self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._listener: socket.socket | None = None
-        self._serving: set[threading.Thread] = set()
         self._closed = threading.Event()
         self._pulls: dict[str, _Pull] = {}
         self._lingering: list[threading.Thread] = []  # failed pulls' threads still unwinding
         self._states = StateTable()
         self._staging = _StagingPool()
+        self._channels: dict[tuple[str, int, str], PullChannel] = {}
+        self._channels_lock = threading.Lock()
+        self._channel_socks: set[socket.socket] = set()  # holder ends, shut down on close
+        self._channel_threads: list[threading.Thread] = []
 
     # -- holder side -----------------------------------------------------
 
@@ -196,51 +186,37 @@ class TorchConnector:
                 continue
             except OSError:
                 return  # listener closed
-            thread = threading.Thread(target=self._serve_pull, args=(sock,), daemon=True)
-            self._serving.add(thread)
+            thread = threading.Thread(target=self._serve_channel, args=(sock,), daemon=True)
+            self._channel_threads.append(thread)
             thread.start()
 
-    def _serve_pull(self, sock: socket.socket) -> None:
-        sock.settimeout(self.transfer_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small rendezvous messages
-        tid = ""
-        pinned = False
+    def _serve_channel(self, sock: socket.socket) -> None:
+        self._channel_socks.add(sock)
         try:
-            tid = str(recv_msg(sock)["transfer_id"])
-            hold = self._leases.pin(tid)
-            region = self._regions.get(hold.region) if hold is not None else None
-            if hold is None or region is None:
-                send_msg(sock, {"ok": False, "error": f"blocks of {tid!r} are not held"})
-                return
-            pinned = True
-            send_msg(sock, {"ok": True})
-            store = DictStore(self.transfer_timeout_s)
-            sent: list[bool] = []
-            sender = threading.Thread(
-                target=self._send_blocks, args=(store, region, hold.block_ids, sent), daemon=True
+            serve_channel(
+                sock, self.host, self.transfer_timeout_s, self._lend, self._end_loan, self._closed
             )
-            sender.start()
-            done = serve_store_ops(sock, store)
-            sender.join(self.transfer_timeout_s)
-            if done and sent:
-                self._completed.put(tid)
-        except (OSError, ConnectionError, KeyError, ValueError) as exc:
-            log.warning("serving pull %s failed: %s", tid, exc)
+        except (OSError, ConnectionError, KeyError, ValueError, RuntimeError) as exc:
+            if not self._closed.is_set():
+                log.info("channel closed: %s", exc)
         finally:
-            if pinned:
-                self._leases.unpin(tid)
+            self._channel_socks.discard(sock)
             sock.close()
-            self._serving.discard(threading.current_thread())
 
-    def _send_blocks(
-        self, store: DictStore, region: Region, block_ids: tuple[int, ...], sent: list[bool]
-    ) -> None:
-        try:
-            group = _make_group(store, 0, self.host, region.tensor.device, self.transfer_timeout_s)
-            group.send([_held_tensor(region, block_ids)], 1, 0).wait()
-            sent.append(True)
-        except (RuntimeError, TimeoutError) as exc:
-            log.warning("sending blocks failed: %s", exc)
+    def _lend(self, transfer_id: str) -> torch.Tensor | None:
+        hold = self._leases.pin(transfer_id)
+        if hold is None:
+            return None
+        region = self._regions.get(hold.region)
+        if region is None:
+            self._leases.unpin(transfer_id)
+            return None
+        return _held_tensor(region, hold.block_ids)
+
+    def _end_loan(self, transfer_id: str, completed: bool) -> None:
+        if completed:
+            self._completed.put(transfer_id)  # freed on the holder's thread, in progress()
+        self._leases.unpin(transfer_id)
 
     # -- puller side -----------------------------------------------------
 
@@ -277,39 +253,71 @@ class TorchConnector:
         local_ids: list[int],
         num_blocks: int,
     ) -> None:
+        channel: PullChannel | None = None
         try:
-            with socket.create_connection((host, port), timeout=self.transfer_timeout_s) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                send_msg(sock, {"transfer_id": pull.transfer_id})
-                reply = recv_msg(sock)
-                if not reply.get("ok"):
-                    raise UnknownHandleError(str(reply.get("error", "refused")))
-                with pull.lock:
-                    if pull.state is TransferState.PENDING:
-                        pull.state = TransferState.TRANSFERRING
-                # our gloo device listens on the interface that reaches the holder
-                my_host = sock.getsockname()[0]
-                group = _make_group(
-                    SocketStore(sock), 1, my_host, local.tensor.device, self.transfer_timeout_s
-                )
-                staging = self._staging.take((num_blocks, *local.layout.block_shape), local.tensor)
-                group.recv([staging], 0, 0).wait()
-                if staging.is_cuda:  # NCCL's wait() only orders the stream; DONE means landed
+            channel = self._channel(host, port, local.tensor.device)
+            if not channel.lock.acquire(timeout=self.transfer_timeout_s):
+                raise TimeoutError("the channel to the holder stayed busy")
+            try:
+                self._pull_on(channel, pull, local, local_ids, num_blocks)
+            finally:
+                channel.lock.release()
+        except UnknownHandleError as exc:  # refused: the channel itself is fine
+            self._end_pull(pull, str(exc))
+        except (OSError, ConnectionError, RuntimeError, TimeoutError, KeyError) as exc:
+            if channel is not None:
+                self._drop_channel(host, port, local.tensor.device, channel)
+            self._end_pull(pull, str(exc))
+
+    def _pull_on(
+        self,
+        channel: PullChannel,
+        pull: _Pull,
+        local: Region,
+        local_ids: list[int],
+        num_blocks: int,
+    ) -> None:
+        if channel.broken:
+            raise ConnectionError("channel closed while waiting for it")
+        channel.request(pull.transfer_id)
+        with pull.lock:
+            if pull.state is TransferState.PENDING:
+                pull.state = TransferState.TRANSFERRING
+        staging = self._staging.take((num_blocks, *local.layout.block_shape), local.tensor)
+        channel.receive(staging)
+        with pull.lock:
+            used = not pull.cancelled
+            if used:
+                _scatter(local.tensor, local_ids, staging)
+                if staging.is_cuda:
                     torch.cuda.current_stream(staging.device).synchronize()
-                with pull.lock:
-                    if pull.cancelled:
-                        return  # the buffer may still be written late: it is not reused
-                    _scatter(local.tensor, local_ids, staging)
-                    if staging.is_cuda:
-                        torch.cuda.current_stream(staging.device).synchronize()
-                    pull.state = TransferState.DONE
-                self._staging.give(staging)
-                send_msg(sock, {"op": "done"})
-        except (OSError, ConnectionError, RuntimeError, TimeoutError, KVTransferError) as exc:
-            with pull.lock:
-                pull.error = str(exc)
-                if not pull.state.is_final:
-                    pull.state = TransferState.FAILED
+                pull.state = TransferState.DONE
+        channel.finish(used)
+        if used:  # a cancelled pull's buffer is not reused: nothing may write into it late
+            self._staging.give(staging)
+
+    def _end_pull(self, pull: _Pull, error: str) -> None:
+        with pull.lock:
+            pull.error = error
+            if not pull.state.is_final:
+                pull.state = TransferState.FAILED
+
+    def _channel(self, host: str, port: int, device: torch.device) -> PullChannel:
+        key = (host, port, str(device))
+        with self._channels_lock:
+            channel = self._channels.get(key)
+            if channel is None or channel.broken:
+                channel = PullChannel.open(host, port, device, self.transfer_timeout_s)
+                self._channels[key] = channel
+            return channel
+
+    def _drop_channel(
+        self, host: str, port: int, device: torch.device, channel: PullChannel
+    ) -> None:
+        with self._channels_lock:
+            if self._channels.get((host, port, str(device))) is channel:
+                del self._channels[(host, port, str(device))]
+        channel.close()
 
     def poll(self, transfer_id: str) -> TransferState:
         pull = self._pulls.get(transfer_id)
@@ -341,9 +349,20 @@ class TorchConnector:
         self._closed.set()
         if self._listener is not None:
             self._listener.close()
+        for sock in list(self._channel_socks):
+            with contextlib.suppress(OSError):  # already closed by its thread
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the channel threads
+        for thread in self._channel_threads:
+            # their groups must be destroyed before the interpreter exits, or
+            # gloo aborts the process ("terminate called without an active exception")
+            thread.join(timeout=1.0)
         for pull in list(self._pulls.values()):
             with pull.lock:
                 pull.cancelled = True
+        with self._channels_lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
         self._leases.release_all()
 
     def _region(self, region: str) -> Region:

@@ -19,6 +19,7 @@ from kvtransfer import (
     KVConnector,
     KVLayout,
     LayoutMismatchError,
+    ReportsOpenTransfers,
     TransferState,
     UnknownHandleError,
     available_backends,
@@ -100,6 +101,7 @@ def pull_outcome(conn: KVConnector, handle: Any, ids: list[int], holder: Holder)
 
 def test_random_subsets_arrive_bit_exact(holder: Holder, puller: Any, backend: str) -> None:
     conn, pool = puller
+    assert isinstance(conn, ReportsOpenTransfers)
     rng = random.Random(1)
     for n in (1, 5, 17):
         held = rng.sample(range(HOLDER_BLOCKS), n)
