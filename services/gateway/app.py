@@ -29,8 +29,9 @@ from services.gateway.errors import (
     PayloadTooLarge,
     Unauthorized,
 )
-from services.gateway.handlers import prepare_chat, prepare_completion, respond
+from services.gateway.prepare import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.respond import respond
 from services.gateway.service import GatewayService
 from services.gateway.tokens import chat_prompt_ids, text_prompt_ids
 

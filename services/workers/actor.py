@@ -7,6 +7,7 @@ configurable share of CPU otherwise.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from services.workers.client import RayWorkerClient
@@ -17,6 +18,13 @@ __all__ = ["launch_ray_worker"]
 _MAX_CONCURRENT_CALLS = 4096  # streams + telemetry + control calls in flight at once
 
 
+@functools.cache
+def _actor_class() -> Any:
+    import ray
+
+    return ray.remote(Worker)
+
+
 def launch_ray_worker(
     spec: WorkerSpec,
     *,
@@ -24,9 +32,6 @@ def launch_ray_worker(
     num_gpus: float,
     runtime_env: dict[str, Any] | None = None,
 ) -> RayWorkerClient:
-    import ray
-
-    actor_cls = ray.remote(Worker)
     options: dict[str, Any] = {
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
@@ -35,5 +40,5 @@ def launch_ray_worker(
     }
     if runtime_env:
         options["runtime_env"] = runtime_env
-    actor = actor_cls.options(**options).remote(spec)  # type: ignore[attr-defined]
+    actor = _actor_class().options(**options).remote(spec)
     return RayWorkerClient(spec.worker_id, actor)

@@ -28,14 +28,13 @@ from dataclasses import dataclass
 
 from kvtransfer.connector import KVConnector, KVTransferError
 from kvtransfer.types import BlockHandle, TransferState
-from router.types import Role, RunningRequest, StepSample
+from router.types import Role
 from services.backends.protocol import Engine
 from services.engine.messages import (
     EngineError,
     EngineRequest,
     InvalidRequestError,
     RequestOutput,
-    StepStats,
 )
 from services.workers.messages import (
     Continue,
@@ -48,6 +47,7 @@ from services.workers.messages import (
     WorkerEvent,
     WorkerSnapshot,
 )
+from services.workers.telemetry import LoopState, build_snapshot
 
 __all__ = ["EngineLoop"]
 
@@ -337,51 +337,21 @@ class EngineLoop:
         return min(soon_s, periodic_s)
 
     def _take_snapshot(self) -> WorkerSnapshot:
-        stats = self._engine.stats()
         role, draining = self._role_state()
-        layout = self._engine.kv_layout
         self._seq += 1
-        return WorkerSnapshot(
-            worker_id=self._worker_id,
-            role=role,
-            draining=draining,
-            seq=self._seq,
-            time_s=time.monotonic(),
-            block_size=stats.block_size,
-            num_total_blocks=stats.num_total_blocks,
-            num_free_blocks=stats.num_free_blocks,
-            num_cached_blocks=stats.num_cached_blocks,
-            num_held_blocks=stats.num_held_blocks,
-            running=tuple(
-                RunningRequest(r.num_tokens_held, r.num_generated, r.max_tokens)
-                for r in stats.running
+        return build_snapshot(
+            self._engine,
+            LoopState(
+                worker_id=self._worker_id,
+                role=role,
+                draining=draining,
+                seq=self._seq,
+                num_pending_pulls=len(self._pulls),
+                num_finished_requests=self._num_finished,
+                max_num_seqs=self._max_num_seqs,
+                step_ends_s=tuple(self._step_ends_s),
             ),
-            waiting_prompt_lens=stats.waiting_prompt_lens,
-            recent_steps=_stamped(stats.recent_steps, self._step_ends_s),
-            recent_output_lens=stats.recent_output_lens,
-            num_preemptions=stats.num_preemptions,
-            num_pending_pulls=len(self._pulls),
-            num_finished_requests=self._num_finished,
-            kv_bytes_per_token=layout.block_bytes // layout.block_size,
-            max_num_seqs=self._max_num_seqs,
-            max_model_len=self._engine.model_info.max_model_len,
         )
-
-
-def _stamped(steps: Sequence[StepStats], ends_s: Sequence[float]) -> tuple[StepSample, ...]:
-    """Steps with the time each ended (the router de-duplicates telemetry by it).
-
-    The engine's StepStats carry no clock, so the newest steps are matched with
-    the loop's newest ``step()`` calls, in order.
-    """
-    ends = list(ends_s)[-len(steps) :] if steps else []
-    ends = [0.0] * (len(steps) - len(ends)) + ends
-    return tuple(
-        StepSample(
-            s.duration_s, s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens, end_s
-        )
-        for s, end_s in zip(steps, ends, strict=True)
-    )
 
 
 def _to_delta(out: RequestOutput, handle: BlockHandle | None, worker_id: str) -> TokenDelta:
