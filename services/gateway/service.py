@@ -7,15 +7,18 @@ launcher (Ray actors in ``baton serve``, in-process workers in unit tests).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from router.planner import RatioPlanner
 from router.policy import Policy, available_policies, make_policy, make_policy_from_settings
 from router.types import SLO, Role
 from services.cluster.controller import Controller, ControllerConfig, Launcher
+from services.cluster.rebalance import Rebalancer
 from services.config import GatewayConfig, ModelConfig, RouterConfig
 from services.engine.messages import SamplingParams
 from services.gateway.executor import ExecutorConfig, PlanExecutor
@@ -31,6 +34,7 @@ __all__ = ["GatewayService", "GatewaySettings", "choose_policy"]
 log = logging.getLogger(__name__)
 
 _FALLBACK_POLICY = "round_robin"
+_PROMPT_EMA_WEIGHT = 0.05  # mean prompt length the ratio planner sizes prefill by
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class GatewayService:
         *,
         metrics: BatonMetrics | None = None,
         controller_config: ControllerConfig | None = None,
+        rebalance: bool = True,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -100,10 +105,13 @@ class GatewayService:
             on_worker_died=self.controller.report_dead,
             tokenizer=tokenizer,
         )
+        self.rebalancer = self._make_rebalancer(policy) if rebalance else None
+        self._rebalance_task: asyncio.Task[None] | None = None
         self.started_s = time.time()
         self.draining = False
         self._started = False
         self._num_inflight = 0
+        self._mean_prompt_tokens = 0.0
 
     @property
     def model_name(self) -> str:
@@ -113,10 +121,29 @@ class GatewayService:
     async def start(self) -> None:
         await self.controller.start()
         self._started = True
+        if self.rebalancer is not None:
+            self._rebalance_task = asyncio.create_task(self.rebalancer.run_forever())
 
     async def stop(self) -> None:
         self.draining = True
+        if self._rebalance_task is not None:
+            self._rebalance_task.cancel()
+            await asyncio.gather(self._rebalance_task, return_exceptions=True)
         await self.controller.stop()
+
+    def _make_rebalancer(self, policy: Policy) -> Rebalancer | None:
+        """A P/D ratio planner loop, when the policy can report role pressure."""
+        pressure = getattr(policy, "pressure", None)
+        if not callable(pressure):
+            return None
+        return Rebalancer(
+            self.controller,
+            self.state.view,
+            pressure,
+            RatioPlanner(interval_s=self.settings.router.rebalance_interval_s),
+            self.metrics,
+            lambda: self._mean_prompt_tokens,
+        )
 
     def is_ready(self) -> bool:
         return self._started and not self.draining and bool(self.state.snapshots())
@@ -144,6 +171,9 @@ class GatewayService:
         sampling: SamplingParams,
         arrival_s: float,
     ) -> AsyncIterator[TokenDelta]:
+        n = len(prompt_token_ids)
+        m = self._mean_prompt_tokens
+        self._mean_prompt_tokens = n if m == 0 else m + _PROMPT_EMA_WEIGHT * (n - m)
         return self.executor.run(request_id, prompt_token_ids, sampling, arrival_s)
 
     def worker_client(self, worker_id: str) -> WorkerClient | None:
