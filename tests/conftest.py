@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,3 +26,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """ONE local Ray cluster for the whole test session; yields its GCS address."""
+    import ray
+
+    ray.init(
+        num_cpus=4,
+        num_gpus=0,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="baton-tests",
+    )
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

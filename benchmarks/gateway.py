@@ -1,0 +1,261 @@
+"""What the gateway, the router and the Ray hop add to TTFT, and how many streams it sustains.
+
+Baseline (same run, same model, same machine): the tiny engine called in-process,
+``add_request`` then ``step`` until the first token. Served: a short prompt
+streamed through the real HTTP gateway (uvicorn on a socket) to one colocated
+worker, in-process and as a Ray actor; the load runs in a separate client
+process. Prints JSON lines:
+
+    {"bench": "gateway_ttft", "workers": "ray", "p50_ms", "p99_ms",
+     "baseline_p50_ms", "baseline_p99_ms", "added_p50_ms", "added_p99_ms"}
+    {"bench": "gateway_throughput", "workers": "ray", "streams_per_s",
+     "baseline_streams_per_s", ...}
+
+Usage: ``python benchmarks/gateway.py [--requests 200] [--concurrency 32] [--duration-s 8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Run as a script, this folder comes first on sys.path, and benchmarks/kvtransfer.py
+# would shadow the kvtransfer package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+PROMPT = "Hello!"
+MODEL = "tiny"
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _config(workers: str) -> Any:
+    from services.config import ClusterConfig
+
+    return ClusterConfig().with_overrides(
+        {
+            "model.name": MODEL,
+            "engine.device": "cpu",
+            "engine.num_threads": 1,
+            "engine.kv_cache_bytes": 16 * 2**20,
+            "workers.mode": "colocated",
+            "workers.prefill": 1,
+            "workers.decode": 0,
+            "workers.num_cpus": 0,
+            "router.policy": "round_robin",
+            "gateway.max_inflight_requests": 4096,
+        }
+    )
+
+
+# -- baseline: the engine in-process -----------------------------------------------------
+
+
+def baseline(num_requests: int, concurrency: int, duration_s: float) -> dict[str, float]:
+    from services.backends import make_engine
+    from services.engine.loader import load_tokenizer
+    from services.engine.messages import EngineRequest, SamplingParams
+
+    config = _config("inprocess")
+    engine = make_engine("embedded", config.model, config.engine)
+    prompt = tuple(load_tokenizer(MODEL).encode(PROMPT))
+    first = SamplingParams(max_tokens=1, temperature=0.0)
+    ttfts = []
+    for i in range(num_requests + 10):
+        t0 = time.perf_counter()
+        engine.add_request(EngineRequest(f"b{i}", prompt, first))
+        while not engine.step():
+            pass
+        if i >= 10:  # warm-up
+            ttfts.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+    # Throughput: keep `concurrency` requests of 8 tokens in flight, count finishes.
+    eight = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    next_id, done = 0, 0
+    for _ in range(concurrency):
+        engine.add_request(EngineRequest(f"t{next_id}", prompt, eight))
+        next_id += 1
+    end = time.perf_counter() + duration_s
+    while time.perf_counter() < end:
+        for out in engine.step():
+            if out.finished:
+                done += 1
+                engine.add_request(EngineRequest(f"t{next_id}", prompt, eight))
+                next_id += 1
+    return {
+        "p50_ms": 1e3 * statistics.median(ttfts),
+        "p99_ms": 1e3 * _percentile(ttfts, 0.99),
+        "streams_per_s": done / duration_s,
+    }
+
+
+# -- the load client (a separate process) -------------------------------------------------
+
+
+def _client(url: str, num_requests: int, concurrency: int, duration_s: float, out: Any) -> None:
+    import httpx
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+    # Without TCP_NODELAY the body, sent after the headers, waits for a delayed ACK (~40 ms).
+    nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+    ttfts = []
+    transport = httpx.HTTPTransport(socket_options=nodelay)
+    with httpx.Client(base_url=url, timeout=60, transport=transport) as client:
+        for i in range(num_requests + 10):
+            t0 = time.perf_counter()
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                first = True
+                for line in r.iter_lines():  # read to the end so the connection is reused
+                    if first and line.startswith("data: {"):
+                        first = False
+                        if i >= 10:
+                            ttfts.append(time.perf_counter() - t0)
+
+    async def load() -> int:
+        stream8 = {**body, "max_tokens": 8, "ignore_eos": True}
+        done = 0
+        end = time.perf_counter() + duration_s
+        limits = httpx.Limits(max_connections=concurrency)
+        transport = httpx.AsyncHTTPTransport(socket_options=nodelay, limits=limits)
+        async with httpx.AsyncClient(base_url=url, timeout=60, transport=transport) as client:
+
+            async def user() -> None:
+                nonlocal done
+                while time.perf_counter() < end:
+                    async with client.stream("POST", "/v1/completions", json=stream8) as r:
+                        async for line in r.aiter_lines():
+                            if line == "data: [DONE]":
+                                done += 1
+
+            await asyncio.gather(*(user() for _ in range(concurrency)))
+        return done
+
+    cpu0_s = time.process_time()
+    finished = asyncio.run(load())
+    # If the client's own CPU time nears the duration, the client is the limit, not us.
+    client_cpu_fraction = (time.process_time() - cpu0_s) / duration_s
+    out.put(
+        {
+            "ttfts": ttfts,
+            "streams_per_s": finished / duration_s,
+            "client_cpu_fraction": client_cpu_fraction,
+        }
+    )
+
+
+# -- served ------------------------------------------------------------------------------------
+
+
+async def _serve_and_measure(workers: str, args: argparse.Namespace) -> dict[str, float]:
+    import uvicorn
+
+    from services.cluster.factories import EngineFactory
+    from services.cluster.launchers import RayLauncher, launch_in_process
+    from services.cluster.specs import worker_specs
+    from services.engine.loader import load_tokenizer
+    from services.gateway.app import create_app
+    from services.gateway.service import GatewayService, GatewaySettings
+
+    config = _config(workers)
+    specs = worker_specs(config, EngineFactory("embedded", config.model, config.engine), None)
+    settings = GatewaySettings(config.gateway, config.router, config.model, "none")
+    launcher = RayLauncher(num_cpus=0, num_gpus=0) if workers == "ray" else launch_in_process
+    svc = GatewayService(settings, load_tokenizer(MODEL), specs, launcher)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(svc), log_level="warning"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.05)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(
+        target=_client, args=(url, args.requests, args.concurrency, args.duration_s, out)
+    )
+    proc.start()
+    while proc.is_alive() and out.empty():
+        await asyncio.sleep(0.1)
+    result = out.get(timeout=5)
+    proc.join()
+    server.should_exit = True
+    await serving
+    ttfts = result["ttfts"]
+    return {
+        "p50_ms": 1e3 * statistics.median(ttfts),
+        "p99_ms": 1e3 * _percentile(ttfts, 0.99),
+        "streams_per_s": result["streams_per_s"],
+        "client_cpu_fraction": result["client_cpu_fraction"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--duration-s", type=float, default=8.0)
+    parser.add_argument("--workers", choices=["inprocess", "ray", "both"], default="both")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = baseline(args.requests, args.concurrency, args.duration_s)
+    kinds = ["inprocess", "ray"] if args.workers == "both" else [args.workers]
+    if "ray" in kinds:
+        import ray
+
+        ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    for kind in kinds:
+        served = asyncio.run(_serve_and_measure(kind, args))
+        print(
+            json.dumps(
+                {
+                    "bench": "gateway_ttft",
+                    "workers": kind,
+                    "prompt": PROMPT,
+                    "requests": args.requests,
+                    "p50_ms": round(served["p50_ms"], 3),
+                    "p99_ms": round(served["p99_ms"], 3),
+                    "baseline_p50_ms": round(base["p50_ms"], 3),
+                    "baseline_p99_ms": round(base["p99_ms"], 3),
+                    "added_p50_ms": round(served["p50_ms"] - base["p50_ms"], 3),
+                    "added_p99_ms": round(served["p99_ms"] - base["p99_ms"], 3),
+                }
+            ),
+            flush=True,
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "gateway_throughput",
+                    "workers": kind,
+                    "concurrency": args.concurrency,
+                    "max_tokens": 8,
+                    "streams_per_s": round(served["streams_per_s"], 1),
+                    "baseline_streams_per_s": round(base["streams_per_s"], 1),
+                    "ratio": round(served["streams_per_s"] / base["streams_per_s"], 3),
+                    "client_cpu_fraction": round(served["client_cpu_fraction"], 2),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The controller: launches workers, keeps the registry, watches health, replaces the dead.
+
+    start()       launch every spec; ready once each worker has sent a snapshot
+    watch         one telemetry subscription per worker feeds ``on_snapshot``;
+                  the stream raising WorkerDiedError means the worker is gone
+    ping          every ``ping_interval_s`` each ready worker must answer within
+                  ``ping_timeout_s`` (a hung engine loop, a lost node)
+    down          remove from the registry, tell ``on_worker_down``, kill what
+                  is left of it, launch a replacement with the same role
+    set_role      drain a worker and switch its role (the P/D planner's lever)
+
+A worker that died is noticed within about a second either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from router.types import Role
+from services.workers.client import WorkerClient, WorkerDiedError
+from services.workers.messages import WorkerSnapshot
+from services.workers.worker import WorkerSpec
+
+__all__ = ["Controller", "ControllerConfig", "Launcher"]
+
+log = logging.getLogger(__name__)
+
+Launcher = Callable[[WorkerSpec], WorkerClient]
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    ping_interval_s: float = 0.5
+    ping_timeout_s: float = 1.0
+    replace_dead: bool = True
+    ready_timeout_s: float = 300.0
+
+
+@dataclass(slots=True)
+class _Entry:
+    spec: WorkerSpec
+    client: WorkerClient
+    ready: asyncio.Event
+    watch: asyncio.Task[None] | None = None
+
+
+class Controller:
+    def __init__(
+        self,
+        specs: Sequence[WorkerSpec],
+        launch: Launcher,
+        *,
+        on_snapshot: Callable[[WorkerSnapshot], None],
+        on_worker_down: Callable[[str, Role], None],
+        config: ControllerConfig | None = None,
+    ) -> None:
+        self._specs = list(specs)
+        self._launch = launch
+        self._on_snapshot = on_snapshot
+        self._on_worker_down = on_worker_down
+        self._config = config or ControllerConfig()
+        self._entries: dict[str, _Entry] = {}
+        self._generation: dict[str, int] = {}
+        self._ping_task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        for spec in self._specs:
+            self._start_worker(spec)
+        await asyncio.wait_for(
+            asyncio.gather(*(e.ready.wait() for e in self._entries.values())),
+            self._config.ready_timeout_s,
+        )
+        self._ping_task = asyncio.create_task(self._ping_forever(), name="controller-ping")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        tasks = [e.watch for e in self._entries.values() if e.watch is not None]
+        if self._ping_task is not None:
+            tasks.append(self._ping_task)
+        for task in tasks:
+            task.cancel()
+        for entry in list(self._entries.values()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(entry.client.shutdown(), 5.0)
+            entry.client.kill()
+        self._entries.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- registry ------------------------------------------------------------------------
+    def client(self, worker_id: str) -> WorkerClient | None:
+        entry = self._entries.get(worker_id)
+        return entry.client if entry is not None else None
+
+    def workers(self) -> dict[str, Role]:
+        return {wid: e.spec.role for wid, e in self._entries.items()}
+
+    def is_ready(self) -> bool:
+        return bool(self._entries) and all(e.ready.is_set() for e in self._entries.values())
+
+    def report_dead(self, worker_id: str) -> None:
+        """Someone saw the worker die (a stream raised WorkerDiedError)."""
+        self._down(worker_id, "reported dead")
+
+    async def set_role(self, worker_id: str, role: Role) -> None:
+        entry = self._entries[worker_id]
+        await entry.client.set_role(role)
+        entry.spec = replace(entry.spec, role=role)
+
+    # -- internals ------------------------------------------------------------------------
+    def _start_worker(self, spec: WorkerSpec) -> None:
+        client = self._launch(spec)
+        entry = _Entry(spec, client, asyncio.Event())
+        self._entries[spec.worker_id] = entry
+        entry.watch = asyncio.create_task(self._watch(entry), name=f"watch-{spec.worker_id}")
+
+    async def _watch(self, entry: _Entry) -> None:
+        worker_id = entry.spec.worker_id
+        reason = "telemetry stream ended"
+        try:
+            async for snapshot in entry.client.telemetry():
+                entry.ready.set()
+                self._on_snapshot(snapshot)
+        except WorkerDiedError as e:
+            reason = str(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a worker that cannot even start counts as dead
+            reason = f"{type(e).__name__}: {e}"
+        self._down(worker_id, reason)
+
+    async def _ping_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.ping_interval_s)
+            ready = [e for e in self._entries.values() if e.ready.is_set()]
+            results = await asyncio.gather(
+                *(asyncio.wait_for(e.client.ping(), self._config.ping_timeout_s) for e in ready),
+                return_exceptions=True,
+            )
+            for entry, result in zip(ready, results, strict=True):
+                if isinstance(result, BaseException):
+                    self._down(entry.spec.worker_id, f"ping failed: {type(result).__name__}")
+
+    def _down(self, worker_id: str, reason: str) -> None:
+        entry = self._entries.pop(worker_id, None)
+        if entry is None or self._stopping:
+            return
+        log.warning("worker %s is down (%s)", worker_id, reason)
+        if entry.watch is not None and entry.watch is not asyncio.current_task():
+            entry.watch.cancel()
+        entry.client.kill()
+        self._on_worker_down(worker_id, entry.spec.role)
+        if self._config.replace_dead:
+            self._start_worker(self._successor(entry.spec))
+
+    def _successor(self, spec: WorkerSpec) -> WorkerSpec:
+        base = spec.worker_id.split(".r")[0]
+        generation = self._generation.get(base, 0) + 1
+        self._generation[base] = generation
+        return replace(spec, worker_id=f"{base}.r{generation}")

@@ -1,0 +1,190 @@
+"""``baton serve``: start Ray, the workers and the OpenAI-compatible gateway.
+
+    baton serve --config deploy/configs/local.yaml [--model tiny|DIR] [--port 8000] ...
+
+Flags override the YAML; ``BATON_API_KEY`` is read here (and only here) when
+``--api-key`` is not given. The process serves until SIGINT/SIGTERM, then
+drains: the gateway stops, the workers are shut down, Ray is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from services.config import ClusterConfig, load_config
+
+__all__ = ["add_arguments", "build_config", "run"]
+
+log = logging.getLogger("baton.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="cluster config YAML (default: built-in defaults)")
+    parser.add_argument("--model", help="'tiny' or a local Hugging Face model folder")
+    parser.add_argument("--served-model-name", help="the model id clients send")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to bind (default 8000)")
+    parser.add_argument("--prefill", type=int, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, help="number of decode workers")
+    parser.add_argument("--mode", choices=["disaggregated", "colocated"])
+    parser.add_argument("--kv-backend", choices=["nixl", "torch", "local"])
+    parser.add_argument("--policy", help="router policy (round_robin, slo_goodput, ...)")
+    parser.add_argument("--api-key", help="require this bearer key (default: $BATON_API_KEY)")
+    parser.add_argument("--worker-cpus", type=float, help="Ray CPUs per worker")
+    parser.add_argument("--ray-address", help="join this Ray cluster (default: $RAY_ADDRESS)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+
+
+def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ClusterConfig:
+    environ = dict(os.environ) if environ is None else environ
+    config = load_config(args.config)
+    return config.with_overrides(
+        {
+            "model.name": args.model,
+            "model.served_model_name": args.served_model_name,
+            "model.dtype": args.dtype,
+            "gateway.host": args.host,
+            "gateway.port": args.port,
+            "gateway.api_key": args.api_key or environ.get("BATON_API_KEY") or None,
+            "workers.prefill": args.prefill,
+            "workers.decode": args.decode,
+            "workers.mode": args.mode,
+            "workers.num_cpus": args.worker_cpus,
+            "kvtransfer.backend": args.kv_backend,
+            "router.policy": args.policy,
+        }
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = build_config(args)
+    except (ValueError, KeyError, OSError) as e:
+        print(f"baton serve: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    ray_address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
+    return asyncio.run(serve(config, log_level=args.log_level, ray_address=ray_address))
+
+
+async def serve(
+    config: ClusterConfig, *, log_level: str = "info", ray_address: str | None = None
+) -> int:
+    """Serve until a signal; ``ray_address``: join that Ray cluster instead of starting one."""
+    import ray
+    import uvicorn
+
+    from services.gateway.app import create_app
+
+    num_gpus = _num_gpus(config)
+    if ray_address:
+        ray.init(address=ray_address, log_to_driver=log_level == "debug", namespace="baton")
+    elif not ray.is_initialized():
+        ray.init(
+            num_cpus=_ray_cpus(config),
+            num_gpus=None if num_gpus else 0,
+            include_dashboard=False,
+            log_to_driver=log_level == "debug",
+            namespace="baton",
+        )
+    svc = _build_service(config, num_gpus)
+    app = create_app(svc)
+    server = _server_class()(
+        uvicorn.Config(
+            app,
+            host=config.gateway.host,
+            port=config.gateway.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.request_exit)
+    announce = asyncio.create_task(_announce_when_started(server, config))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+        ray.shutdown()
+    return 0 if server.started else 1
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, with the signals ours: a SIGTERM is a clean exit (status 0),
+        not re-raised after shutdown into Ray's handler."""
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+        def request_exit(self) -> None:
+            self.should_exit = True
+
+    return Server
+
+
+def _build_service(config: ClusterConfig, num_gpus: float) -> Any:
+    from services.cluster.factories import ConnectorFactory, EngineFactory
+    from services.cluster.launchers import RayLauncher
+    from services.cluster.specs import worker_specs
+    from services.engine.loader import load_tokenizer
+    from services.gateway.service import GatewayService, GatewaySettings
+
+    specs = worker_specs(
+        config,
+        EngineFactory(config.engine.backend, config.model, config.engine),
+        ConnectorFactory(config.kvtransfer),
+    )
+    settings = GatewaySettings(
+        config.gateway, config.router, config.model, config.kvtransfer.backend
+    )
+    launcher = RayLauncher(num_cpus=config.workers.num_cpus, num_gpus=num_gpus)
+    return GatewayService(settings, load_tokenizer(config.model.name), specs, launcher)
+
+
+async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    host, port = config.gateway.host, config.gateway.port
+    for s in server.servers:
+        for sock in s.sockets:
+            host, port = sock.getsockname()[:2]
+    w = config.workers
+    print(
+        f"Baton is serving {config.model.public_name!r} at http://{host}:{port}/v1 "
+        f"({w.mode}: {w.prefill} prefill, {w.decode} decode, {w.mixed} mixed; "
+        f"kv={config.kvtransfer.backend})",
+        flush=True,
+    )
+
+
+def _num_gpus(config: ClusterConfig) -> float:
+    if config.workers.num_gpus is not None:
+        return config.workers.num_gpus
+    if config.engine.device == "cpu":
+        return 0.0
+    import torch
+
+    return 1.0 if torch.cuda.is_available() else 0.0
+
+
+def _ray_cpus(config: ClusterConfig) -> int:
+    w = config.workers
+    needed = (w.prefill + w.decode + w.mixed) * w.num_cpus
+    return max(os.cpu_count() or 1, math.ceil(needed) + 1)

@@ -1,0 +1,44 @@
+"""From a ClusterConfig to the list of workers to launch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kvtransfer.connector import KVConnector
+from router.types import Role
+from services.backends.protocol import Engine
+from services.config import ClusterConfig
+from services.workers.worker import WorkerSpec
+
+__all__ = ["worker_specs"]
+
+log = logging.getLogger(__name__)
+
+
+def worker_specs(
+    config: ClusterConfig,
+    engine_factory: Callable[[], Engine],
+    connector_factory: Callable[[str], KVConnector] | None,
+) -> list[WorkerSpec]:
+    """One spec per worker; in colocated mode every worker is ``mixed`` and has no connector."""
+    w = config.workers
+    if w.encode:
+        log.warning("encode workers are not implemented yet; ignoring workers.encode=%d", w.encode)
+    if w.mode == "colocated":
+        roles = [(Role.MIXED, w.prefill + w.decode + w.mixed)]
+        connector_factory = None
+    else:
+        roles = [(Role.PREFILL, w.prefill), (Role.DECODE, w.decode), (Role.MIXED, w.mixed)]
+    return [
+        WorkerSpec(
+            worker_id=f"{role.value}-{i}",
+            role=role,
+            engine_factory=engine_factory,
+            connector_factory=connector_factory,
+            telemetry_interval_s=w.telemetry_interval_s,
+            max_num_seqs=config.engine.max_num_seqs,
+        )
+        for role, count in roles
+        for i in range(count)
+    ]

@@ -1,0 +1,198 @@
+"""The OpenAI-compatible HTTP app (FastAPI on uvicorn).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (200 ready, 503 starting or draining), ``GET /metrics``
+(Prometheus), ``GET /openapi.json``. Every error is OpenAI's nested shape; FastAPI's
+422 becomes 400 naming the field; bodies over ``max_body_bytes`` get 413.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.errors import (
+    APIError,
+    BadRequest,
+    ModelNotFound,
+    NotReady,
+    PayloadTooLarge,
+    Unauthorized,
+)
+from services.gateway.prepare import prepare_chat, prepare_completion
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.respond import respond
+from services.gateway.service import GatewayService
+from services.gateway.tokens import chat_prompt_ids, text_prompt_ids
+
+__all__ = ["create_app"]
+
+
+def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI:
+    """The app over ``svc``; with ``manage_lifecycle`` its lifespan starts and stops the cluster."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_lifecycle:
+            await svc.start()
+        try:
+            yield
+        finally:
+            if manage_lifecycle:
+                await svc.stop()
+
+    app = FastAPI(title="Baton", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_body_bytes=svc.settings.gateway.max_body_bytes)
+    _add_error_handlers(app)
+    auth = _auth_dependency(svc.settings.gateway.api_key)
+
+    def ready() -> None:
+        if not svc.is_ready():
+            raise NotReady("the server is starting or draining", 5.0)
+
+    def check_model(name: str) -> None:
+        if name != svc.model_name:
+            raise ModelNotFound(f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> Response:
+        return Response(status_code=200 if svc.is_ready() else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": svc.model_name,
+            "object": "model",
+            "created": int(svc.started_s),
+            "owned_by": "baton",
+            "root": svc.settings.model.name,
+            "parent": None,
+            "max_model_len": svc.max_model_len(),
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        ready()
+        if body.has_images():
+            raise BadRequest("this model does not accept images", "messages")
+        prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages())
+        return await respond(svc, prepare_chat(svc, body, prompt), request)
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        ready()
+        prompts = text_prompt_ids(svc.tokenizer, body.prompt)
+        return await respond(svc, prepare_completion(svc, body, prompts), request)
+
+    return app
+
+
+def _auth_dependency(api_key: str | None) -> Any:
+    # async: FastAPI runs a plain ``def`` dependency in a thread pool, a hop per request.
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
+            raise Unauthorized("Incorrect API key provided.", None, "invalid_api_key")
+
+    return check
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers())
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{first.get('msg', 'invalid request')}" + (f" ({'.'.join(loc)})" if loc else "")
+        return _error_response(BadRequest(message, ".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        error = APIError(str(e.detail))
+        error.status_code = e.status_code
+        error.error_type = "NotFoundError" if e.status_code == 404 else "InvalidRequestError"
+        return _error_response(error)
+
+
+class BodyLimit:
+    """Answer 413 for request bodies over the limit, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._reject(send)
+            return
+        received = 0
+        too_large = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    too_large = True
+                    raise _TooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            # Whatever the app answers to a body it could not finish reading is replaced.
+            if not too_large:
+                await send(message)
+
+        with contextlib.suppress(_TooLarge):  # answered just below
+            await self.app(scope, limited_receive, guarded_send)
+        if too_large:
+            await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        error = PayloadTooLarge(f"request body is larger than {self.max_body_bytes} bytes")
+        body = json.dumps(error.body()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass

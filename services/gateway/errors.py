@@ -1,0 +1,97 @@
+"""Errors the gateway answers with, in OpenAI's nested shape.
+
+    APIError                       {"error": {"message", "type", "param", "code"}}
+     ├── BadRequest           400  invalid parameter, prompt over the context length
+     ├── Unauthorized         401  missing or wrong API key
+     ├── ModelNotFound        404  unknown model
+     ├── PayloadTooLarge      413  body over gateway.max_body_bytes
+     ├── Overloaded           429  router rejected, too many requests in flight (Retry-After)
+     ├── NotReady             503  starting or draining (Retry-After)
+     └── ServiceFailure       500  no worker could finish the request
+
+After a stream has begun, the same body goes out as an SSE ``data:`` event.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = [
+    "APIError",
+    "BadRequest",
+    "ModelNotFound",
+    "NotReady",
+    "Overloaded",
+    "PayloadTooLarge",
+    "ServiceFailure",
+    "Unauthorized",
+]
+
+
+class APIError(Exception):
+    status_code = 500
+    error_type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status_code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class BadRequest(APIError):
+    status_code = 400
+    error_type = "BadRequestError"
+
+
+class Unauthorized(APIError):
+    status_code = 401
+    error_type = "AuthenticationError"
+
+
+class ModelNotFound(APIError):
+    status_code = 404
+    error_type = "NotFoundError"
+
+
+class PayloadTooLarge(APIError):
+    status_code = 413
+    error_type = "PayloadTooLargeError"
+
+
+class _RetryLater(APIError):
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class Overloaded(_RetryLater):
+    status_code = 429
+    error_type = "RateLimitError"
+
+
+class NotReady(_RetryLater):
+    status_code = 503
+    error_type = "ServiceUnavailableError"
+
+
+class ServiceFailure(APIError):
+    status_code = 500
+    error_type = "InternalServerError"

@@ -1,0 +1,300 @@
+"""The plan executor: one request's journey through the workers, as one token stream.
+
+    place          router.plan(profile, view) -> Plan | Reject (hold, then 429)
+    colocated      Generate(request) on one worker; stream its deltas
+    disaggregated  Generate(prefill_only) on the prefill worker -> first token
+                   (streamed at once) + BlockHandle; Continue(request, handle)
+                   on the decode worker, which pulls the KV and decodes
+    re-plan        a worker died or a pull failed: place again; with tokens
+                   already streamed, the prompt plus those tokens run on a live
+                   worker and decoding continues, so the client sees one stream
+    detokenize     here, over the whole stream, not on the workers: a worker that
+                   continues someone else's request cannot know what text was held
+                   back (an incomplete UTF-8 character, a possible stop string)
+
+Every worker a request touched is told to abort it if the request does not end
+normally (client hung up, error): its blocks, held ones included, are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from router.policy import Policy
+from router.types import Plan, Reject, RequestProfile
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+from services.engine.tokenizer import Tokenizer
+from services.gateway.errors import BadRequest, Overloaded, ServiceFailure
+from services.gateway.state import ClusterState, Reservation
+from services.metrics import BatonMetrics
+from services.workers.client import WorkerClient, WorkerDiedError
+from services.workers.messages import (
+    Continue,
+    FailureKind,
+    Generate,
+    Job,
+    KVPulled,
+    RequestFailed,
+    TokenDelta,
+    WorkerEvent,
+)
+
+__all__ = ["ExecutorConfig", "PlanExecutor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    policy_name: str
+    kv_backend: str
+    max_hold_s: float = 5.0
+    max_attempts: int = 3
+    hold_poll_s: float = 0.01
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PlanExecutor:
+    def __init__(
+        self,
+        state: ClusterState,
+        clients: Callable[[str], WorkerClient | None],
+        policy: Policy,
+        metrics: BatonMetrics,
+        config: ExecutorConfig,
+        on_worker_died: Callable[[str], None],
+        tokenizer: Tokenizer,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._state = state
+        self._clients = clients
+        self._policy = policy
+        self._metrics = metrics
+        self._config = config
+        self._on_worker_died = on_worker_died
+
+    async def run(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        arrival_s: float,
+    ) -> AsyncIterator[TokenDelta]:
+        """Yield the request's deltas until one has ``finish_reason``; re-plan on failures."""
+        profile = RequestProfile(
+            request_id=request_id,
+            num_prompt_tokens=len(prompt_token_ids),
+            num_new_tokens=len(prompt_token_ids),
+            max_tokens=sampling.max_tokens,
+            arrival_s=arrival_s,
+        )
+        detokenizer = IncrementalDetokenizer(
+            self._tokenizer,
+            prompt_token_ids,
+            stop=sampling.stop,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
+        )
+        generated: list[int] = []
+        for attempt in range(self._config.max_attempts):
+            attempt_id = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
+            plan = await self._place(profile)
+            if attempt == 0:
+                self._metrics.stage_s.labels("queue").observe(time.monotonic() - arrival_s)
+            stream = self._execute(plan, attempt_id, prompt_token_ids, tuple(generated), sampling)
+            try:
+                async with _closing(stream):  # closing aborts what is unfinished
+                    async for delta in stream:
+                        generated.extend(delta.token_ids)
+                        delta = _detokenize(detokenizer, delta, request_id)
+                        yield delta
+                        if delta.finish_reason is not None:
+                            self._state.record_output_len(len(generated))
+                            return
+                reason = "stream_ended"
+            except WorkerDiedError as e:
+                log.warning("request %s: %s; re-planning", request_id, e)
+                self._on_worker_died(e.worker_id)
+                reason = "worker_died"
+            except _AttemptFailed as e:
+                reason = e.reason
+            self._metrics.retries.labels(reason).inc()
+        raise ServiceFailure(f"request failed on {self._config.max_attempts} placements; giving up")
+
+    # -- placement ----------------------------------------------------------------------
+    async def _place(self, profile: RequestProfile) -> Plan:
+        deadline_s = time.monotonic() + self._config.max_hold_s
+        while True:
+            now_s = time.monotonic()
+            decision = self._policy.plan(profile, self._state.view(), now_s)
+            self._metrics.decision_s.labels(self._config.policy_name).observe(
+                time.monotonic() - now_s
+            )
+            match decision:
+                case Plan() if self._plan_is_live(decision):
+                    return decision
+                case Reject(hold=True) | Plan() if time.monotonic() < deadline_s:
+                    await asyncio.sleep(self._config.hold_poll_s)
+                case Reject(reason=reason, retry_after_s=retry_after_s):
+                    self._metrics.rejections.labels(reason, profile.priority.value).inc()
+                    raise Overloaded(f"request rejected: {reason}", retry_after_s)
+                case Plan():
+                    raise Overloaded("the planned workers are gone", 1.0)
+
+    def _plan_is_live(self, plan: Plan) -> bool:
+        names = [plan.prefill_worker, plan.decode_worker]
+        return all(self._clients(n) is not None for n in names if n is not None)
+
+    # -- execution ----------------------------------------------------------------------
+    async def _execute(
+        self,
+        plan: Plan,
+        request_id: str,
+        prompt: tuple[int, ...],
+        generated: tuple[int, ...],
+        sampling: SamplingParams,
+    ) -> AsyncGenerator[TokenDelta, None]:
+        if plan.colocated or generated:
+            # A continuation after a failure runs where decoding would have run.
+            worker_id = plan.decode_worker if generated and plan.decode_worker else None
+            worker_id = worker_id or plan.prefill_worker
+            request = EngineRequest(request_id, prompt, sampling, output_token_ids=generated)
+            async with _closing(self._stream(worker_id, Generate(request), prefill=True)) as s:
+                async for delta in s:
+                    yield delta
+            return
+        assert plan.decode_worker is not None
+        disaggregated = self._disaggregated(
+            plan.prefill_worker, plan.decode_worker, request_id, prompt, sampling
+        )
+        async with _closing(disaggregated) as s:
+            async for delta in s:
+                yield delta
+
+    async def _disaggregated(
+        self,
+        prefill_id: str,
+        decode_id: str,
+        request_id: str,
+        prompt: tuple[int, ...],
+        sampling: SamplingParams,
+    ) -> AsyncGenerator[TokenDelta, None]:
+        decode_reservation = self._state.reserve(
+            decode_id, len(prompt), sampling.max_tokens, prefill=False
+        )
+        completed = False
+        try:
+            handle = None
+            first_tokens: tuple[int, ...] = ()
+            request = EngineRequest(request_id, prompt, sampling, prefill_only=True)
+            async with _closing(self._stream(prefill_id, Generate(request), prefill=True)) as s:
+                async for delta in s:
+                    first_tokens += delta.token_ids
+                    if delta.finish_reason is FinishReason.PREFILLED:
+                        handle = delta.handle
+                        delta = replace(delta, finish_reason=None, handle=None)
+                    completed = delta.finish_reason is not None  # done at the first token
+                    yield delta
+            if handle is None:
+                return  # the first token already finished the request
+            request = EngineRequest(request_id, prompt, sampling, output_token_ids=first_tokens)
+            started_s = time.monotonic()
+            stream = self._stream(
+                decode_id, Continue(request, handle), prefill=False, reserved=decode_reservation
+            )
+            async with _closing(stream) as s:
+                async for delta in s:
+                    completed = delta.finish_reason is not None
+                    if completed:
+                        decode_s = time.monotonic() - started_s
+                        self._metrics.stage_s.labels("decode").observe(decode_s)
+                    yield delta
+        finally:
+            self._state.release(decode_reservation)
+            prefill_client = self._clients(prefill_id)
+            if not completed and prefill_client is not None:
+                prefill_client.abort(request_id)  # frees the hold if nobody pulled it
+
+    async def _stream(
+        self,
+        worker_id: str,
+        job: Job,
+        *,
+        prefill: bool,
+        reserved: Reservation | None = None,
+    ) -> AsyncGenerator[TokenDelta, None]:
+        """One worker's events as deltas; failures as exceptions; abort if cut short."""
+        client = self._clients(worker_id)
+        if client is None:
+            raise WorkerDiedError(worker_id, "not in the registry")
+        request = job.request
+        if prefill:
+            reserved = self._state.reserve(
+                worker_id, len(request.prompt_token_ids), request.sampling.max_tokens, prefill=True
+            )
+        started_s = time.monotonic()
+        finished = False
+        first = True
+        events: AsyncIterator[WorkerEvent] | None = None
+        try:
+            events = client.generate(job)
+            async for event in events:
+                self._state.release(reserved)  # the worker's telemetry counts it now
+                match event:
+                    case TokenDelta() as delta:
+                        if prefill and first:
+                            self._metrics.stage_s.labels("prefill").observe(
+                                time.monotonic() - started_s
+                            )
+                        first = False
+                        finished = delta.finish_reason is not None
+                        yield delta
+                    case KVPulled(num_bytes=num_bytes, duration_s=duration_s):
+                        backend = self._config.kv_backend
+                        self._metrics.transfer_bytes.labels(backend).inc(num_bytes)
+                        self._metrics.transfer_s.labels(backend).observe(duration_s)
+                        self._metrics.stage_s.labels("transfer").observe(duration_s)
+                    case RequestFailed(kind=FailureKind.INVALID, message=message, param=param):
+                        finished = True
+                        raise BadRequest(message, param)
+                    case RequestFailed(kind=kind, message=message):
+                        finished = True
+                        if kind is FailureKind.TRANSFER:
+                            self._metrics.transfer_failures.labels(self._config.kv_backend).inc()
+                        log.warning("request %s on %s: %s", request.request_id, worker_id, message)
+                        raise _AttemptFailed(kind.value)
+        finally:
+            self._state.release(reserved)
+            if not finished:
+                client.abort(request.request_id)
+            aclose = getattr(events, "aclose", None) if events is not None else None
+            if aclose is not None:
+                await aclose()
+
+
+def _detokenize(
+    detokenizer: IncrementalDetokenizer, delta: TokenDelta, request_id: str
+) -> TokenDelta:
+    """The delta with the gateway's text; a stop string seen here ends the request."""
+    text = "".join(detokenizer.add(t)[0] for t in delta.token_ids)
+    finish = delta.finish_reason
+    if finish is None and detokenizer.stopped:
+        finish = FinishReason.STOP
+    elif finish is not None and not detokenizer.stopped:
+        text += detokenizer.finish()
+    return replace(delta, request_id=request_id, text=text, finish_reason=finish)
+
+
+# Closing a stream closes the streams it reads, down to the worker's: every level's
+# ``finally`` (abort what is unfinished, drop reservations) runs now, not at GC time.
+_closing = contextlib.aclosing

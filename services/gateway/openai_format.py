@@ -1,0 +1,173 @@
+"""OpenAI response bodies and SSE chunks, built as plain dicts (fast to serialise).
+
+Chat streams: the first chunk of each choice carries ``delta: {role, content: ""}``,
+then content deltas, the last with ``finish_reason``. With
+``stream_options.include_usage`` every chunk has ``usage: null`` and one final
+chunk has ``choices: []`` and the usage. Completions streams carry
+``choices[].text``. The stream ends with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.engine.messages import TokenLogprob
+from services.gateway.tokens import Tokenizer
+
+__all__ = ["DONE", "Endpoint", "Formatter", "LogprobsAcc", "sse", "usage"]
+
+Endpoint = Literal["chat", "completion"]
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def _finish(reason: str | None) -> str | None:
+    # The engine's reasons are OpenAI's, except ``abort`` (never sent for a finished
+    # request) and ``prefilled`` (internal to disaggregation).
+    return reason if reason in ("stop", "length") else (None if reason is None else "stop")
+
+
+@dataclass(slots=True)
+class LogprobsAcc:
+    """Logprobs of one choice, accumulated (non-streaming) or per chunk (streaming)."""
+
+    endpoint: Endpoint
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[str, float]]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    chars: int = 0
+
+    def add(self, tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob]) -> None:
+        for lp in logprobs:
+            text = tokenizer.decode([lp.token_id])
+            self.tokens.append(text)
+            self.token_logprobs.append(lp.logprob)
+            self.top.append([(tokenizer.decode([t]), v) for t, v in lp.top])
+            self.text_offset.append(self.chars)
+            self.chars += len(text)
+
+    def render(self) -> dict[str, Any]:
+        if self.endpoint == "completion":
+            return {
+                "tokens": self.tokens,
+                "token_logprobs": self.token_logprobs,
+                "top_logprobs": [dict(t) for t in self.top],
+                "text_offset": self.text_offset,
+            }
+        return {
+            "content": [
+                {
+                    "token": tok,
+                    "logprob": lp,
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
+                    ],
+                }
+                for tok, lp, top in zip(self.tokens, self.token_logprobs, self.top)
+            ]
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Formatter:
+    endpoint: Endpoint
+    response_id: str
+    created: int
+    model: str
+    include_usage: bool = False
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+        *,
+        first: bool = False,
+        usage_now: dict[str, int] | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any]
+        if self.endpoint == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if not first and text:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs}
+        choice["finish_reason"] = _finish(finish_reason)
+        body: dict[str, Any] = {
+            "id": self.response_id,
+            "object": self._object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if self.include_usage or usage_now is not None:
+            body["usage"] = usage_now
+        return body
+
+    def usage_chunk(self, usage_total: dict[str, int]) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": self._object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_total,
+        }
+
+    def response(
+        self,
+        choices: Sequence[tuple[str, str | None, dict[str, Any] | None]],
+        usage_total: dict[str, int],
+    ) -> dict[str, Any]:
+        """A non-streaming body from (text, finish_reason, logprobs) per choice."""
+        rendered: list[dict[str, Any]] = []
+        for index, (text, finish, logprobs) in enumerate(choices):
+            if self.endpoint == "chat":
+                body = {"role": "assistant", "content": text}
+                rendered.append(
+                    {
+                        "index": index,
+                        "message": body,
+                        "logprobs": logprobs,
+                        "finish_reason": _finish(finish),
+                    }
+                )
+            else:
+                rendered.append(
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": _finish(finish),
+                    }
+                )
+        return {
+            "id": self.response_id,
+            "object": "chat.completion" if self.endpoint == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": rendered,
+            "usage": usage_total,
+        }

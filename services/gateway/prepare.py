@@ -1,0 +1,154 @@
+"""From a validated OpenAI request to the work to run: prompts, choices, sampling.
+
+prompts -> token ids (done by the caller), SamplingParams per choice (prompts x n),
+context-length checks: every problem is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from services.engine.messages import InvalidRequestError, SamplingParams
+from services.gateway.errors import BadRequest
+from services.gateway.openai_format import Endpoint, Formatter
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.service import GatewayService
+
+__all__ = ["Choice", "Generation", "prepare_chat", "prepare_completion"]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    endpoint: Endpoint
+    formatter: Formatter
+    choices: tuple[Choice, ...]
+    num_prompt_tokens: int  # each prompt once, whatever n
+    stream: bool
+    continuous_usage: bool
+    logprobs: bool
+    echo_texts: tuple[str, ...] = ()
+
+
+def _sampling(
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    seed_offset: int,
+) -> SamplingParams:
+    stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=None if body.seed is None else body.seed + seed_offset,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+    try:
+        params.validate()
+    except InvalidRequestError as e:
+        raise BadRequest(str(e), e.param) from e
+    return params
+
+
+def _check_length(
+    svc: GatewayService, prompt: tuple[int, ...], max_tokens: int | None, prompt_param: str
+) -> int:
+    """The request's max_tokens, after checking the prompt fits the context."""
+    if not prompt:
+        raise BadRequest("the prompt is empty", prompt_param)
+    max_len = svc.max_model_len()
+    if max_len is None:
+        return max_tokens or 16
+    if len(prompt) >= max_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_len} tokens, but the prompt has "
+            f"{len(prompt)} tokens.",
+            prompt_param,
+        )
+    if max_tokens is None:
+        return max_len - len(prompt)
+    if len(prompt) + max_tokens > max_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_len} tokens. You requested "
+            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} "
+            "for the completion). Reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+    return max_tokens
+
+
+def _generation(
+    svc: GatewayService,
+    endpoint: Endpoint,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompts: Sequence[tuple[int, ...]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+) -> Generation:
+    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    choices: list[Choice] = []
+    for p_index, prompt in enumerate(prompts):
+        budget = _check_length(svc, prompt, max_tokens, prompt_param)
+        for j in range(body.n):
+            index = p_index * body.n + j
+            sampling = _sampling(body, budget, logprobs, j)
+            choices.append(Choice(index, p_index, f"{response_id}-{index}", prompt, sampling))
+    opts = body.stream_options
+    return Generation(
+        endpoint=endpoint,
+        formatter=Formatter(
+            endpoint,
+            response_id,
+            int(time.time()),
+            svc.model_name,
+            include_usage=bool(body.stream and opts and opts.include_usage),
+        ),
+        choices=tuple(choices),
+        num_prompt_tokens=sum(len(p) for p in prompts),
+        stream=body.stream,
+        continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
+        logprobs=logprobs is not None,
+    )
+
+
+def prepare_chat(
+    svc: GatewayService, body: ChatCompletionRequest, prompt: tuple[int, ...]
+) -> Generation:
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages")
+
+
+def prepare_completion(
+    svc: GatewayService, body: CompletionRequest, prompts: Sequence[tuple[int, ...]]
+) -> Generation:
+    if not prompts:
+        raise BadRequest("the prompt is empty", "prompt")
+    gen = _generation(svc, "completion", body, prompts, body.max_tokens, body.logprobs, "prompt")
+    if body.echo:
+        echo = tuple(svc.tokenizer.decode(p) for p in prompts)
+        gen = replace(gen, echo_texts=echo)
+    return gen

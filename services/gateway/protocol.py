@@ -1,0 +1,101 @@
+"""The OpenAI request bodies we accept (pydantic: the HTTP edge only).
+
+Unknown fields are ignored, as OpenAI-compatible servers do. Range checks live
+here so FastAPI reports them; our handler turns them into 400s naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ContentPart",
+    "StreamOptions",
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ImageURL(_Body):
+    url: str
+
+
+class ContentPart(_Body):
+    type: Literal["text", "image_url", "input_text"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+Stop = str | Annotated[list[str], Field(max_length=16)] | None
+
+
+class _Sampling(_Body):
+    """Fields shared by both endpoints."""
+
+    model: str
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for a chat template (text parts joined)."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(p.text or "" for p in content if p.type != "image_url")
+            out.append({"role": m.role, "content": content or ""})
+        return out
+
+    def has_images(self) -> bool:
+        return any(
+            isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
+            for m in self.messages
+        )

@@ -1,0 +1,259 @@
+"""Running a Generation and answering: SSE chunks or one JSON body, usage, metrics.
+
+    run          one executor stream per choice (prompts x n), merged as they come
+    respond      SSE chunks, or one JSON body; usage; metrics per choice
+
+Placement errors (429) happen before the first byte: a stream's first event is
+awaited before the response starts, so the status code can still say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.errors import APIError, Overloaded
+from services.gateway.openai_format import DONE, LogprobsAcc, sse, usage
+from services.gateway.prepare import Generation
+from services.gateway.service import GatewayService
+from services.workers.messages import TokenDelta
+
+__all__ = ["respond"]
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class _ChoiceMetrics:
+    def __init__(self, svc: GatewayService, arrival_s: float) -> None:
+        self._m = svc.metrics
+        self._model = svc.model_name
+        self._arrival_s = arrival_s
+        self._first_s: float | None = None
+        self._last_s = arrival_s
+        self.num_output_tokens = 0
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        now = time.monotonic()
+        if self._first_s is None:
+            self._first_s = now
+            self._m.ttft_s.labels(self._model).observe(now - self._arrival_s)
+        else:
+            self._m.itl_s.labels(self._model).observe(now - self._last_s)
+        self._last_s = now
+        self.num_output_tokens = delta.num_output_tokens
+
+    def on_finish(self, num_prompt_tokens: int) -> None:
+        m, model = self._m, self._model
+        m.e2e_s.labels(model).observe(self._last_s - self._arrival_s)
+        if self._first_s is not None and self.num_output_tokens > 1:
+            tpot = (self._last_s - self._first_s) / (self.num_output_tokens - 1)
+            m.tpot_s.labels(model).observe(tpot)
+        m.prompt_tokens.labels(model).inc(num_prompt_tokens)
+        m.generation_tokens.labels(model).inc(self.num_output_tokens)
+
+
+async def _merge(
+    streams: Sequence[AsyncIterator[TokenDelta]],
+) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """Items of several streams as they arrive, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, TokenDelta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[TokenDelta]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, maybe_item, error = await queue.get()
+            if error is not None:
+                raise error
+            if maybe_item is None:
+                remaining -= 1
+            else:
+                yield i, maybe_item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _events(
+    svc: GatewayService, gen: Generation, arrival_s: float
+) -> AsyncGenerator[tuple[int, TokenDelta], None]:
+    streams = [
+        svc.generate(c.request_id, c.prompt_token_ids, c.sampling, arrival_s) for c in gen.choices
+    ]
+    async for item in _merge(streams):
+        yield item
+
+
+async def respond(svc: GatewayService, gen: Generation, request: Request) -> Any:
+    if not svc.try_admit():
+        _count(svc, "rejected", len(gen.choices))
+        raise Overloaded("too many requests in flight", 1.0)
+    arrival_s = time.monotonic()
+    events = _events(svc, gen, arrival_s)
+    try:
+        first = await anext(events)  # placement errors become HTTP statuses here
+    except StopAsyncIteration:
+        first = None
+    except BaseException as e:
+        svc.finish()
+        await events.aclose()
+        outcome = {Overloaded: "rejected", asyncio.CancelledError: "aborted"}.get(type(e), "error")
+        _count(svc, outcome, len(gen.choices))
+        raise
+    if gen.stream:
+        return StreamingResponse(
+            _stream_body(svc, gen, events, first, arrival_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        return await _until_disconnect(_collect(svc, gen, events, first, arrival_s), request)
+    finally:
+        svc.finish()
+
+
+def _count(svc: GatewayService, outcome: str, n: int = 1) -> None:
+    svc.metrics.requests.labels(svc.model_name, outcome).inc(n)
+
+
+async def _until_disconnect(coro: Any, request: Request) -> Any:
+    """Await ``coro``; cancel it (aborting its requests) if the client hangs up."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return JSONResponse({"error": "client disconnected"}, status_code=499)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _collect(
+    svc: GatewayService,
+    gen: Generation,
+    events: AsyncIterator[tuple[int, TokenDelta]],
+    first: tuple[int, TokenDelta] | None,
+    arrival_s: float,
+) -> JSONResponse:
+    n = len(gen.choices)
+    texts = [""] * n
+    finish: list[str | None] = [None] * n
+    accs = [LogprobsAcc(gen.endpoint) for _ in range(n)]
+    timers = [_ChoiceMetrics(svc, arrival_s) for _ in range(n)]
+
+    def take(i: int, d: TokenDelta) -> None:
+        timers[i].on_delta(d)
+        texts[i] += d.text
+        if d.logprobs:
+            accs[i].add(svc.tokenizer, d.logprobs)
+        if d.finish_reason is not None:
+            finish[i] = d.finish_reason.value
+
+    try:
+        if first is not None:
+            take(*first)
+        async for i, d in events:
+            take(i, d)
+    except APIError:
+        _count(svc, "error", n)
+        raise
+    except asyncio.CancelledError:  # the client hung up
+        _count(svc, "aborted", n)
+        raise
+    for i, c in enumerate(gen.choices):
+        timers[i].on_finish(len(c.prompt_token_ids))
+        if gen.echo_texts:
+            texts[i] = gen.echo_texts[c.prompt_index] + texts[i]
+    _count(svc, "success", n)
+    num_completion = sum(t.num_output_tokens for t in timers)
+    body = gen.formatter.response(
+        [(texts[i], finish[i], accs[i].render() if gen.logprobs else None) for i in range(n)],
+        usage(gen.num_prompt_tokens, num_completion),
+    )
+    return JSONResponse(body)
+
+
+async def _stream_body(
+    svc: GatewayService,
+    gen: Generation,
+    events: AsyncGenerator[tuple[int, TokenDelta], None],
+    first: tuple[int, TokenDelta] | None,
+    arrival_s: float,
+) -> AsyncIterator[bytes]:
+    fmt = gen.formatter
+    n = len(gen.choices)
+    timers = [_ChoiceMetrics(svc, arrival_s) for _ in range(n)]
+    outcome = "aborted"
+    try:
+        for c in gen.choices:
+            usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
+            if gen.endpoint == "chat":
+                yield sse(fmt.chunk(c.index, "", None, first=True, usage_now=usage_now))
+            elif gen.echo_texts:
+                yield sse(fmt.chunk(c.index, gen.echo_texts[c.prompt_index], None))
+        pending = [first] if first is not None else []
+        async for item in _chain(pending, events):
+            i, d = item
+            timers[i].on_delta(d)
+            logprobs = None
+            if gen.logprobs and d.logprobs:
+                acc = LogprobsAcc(gen.endpoint)
+                acc.add(svc.tokenizer, d.logprobs)
+                logprobs = acc.render()
+            finish = d.finish_reason.value if d.finish_reason is not None else None
+            if not d.text and finish is None and logprobs is None:
+                continue
+            usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
+            yield sse(fmt.chunk(i, d.text, finish, logprobs, usage_now=usage_now))
+        for i, c in enumerate(gen.choices):
+            timers[i].on_finish(len(c.prompt_token_ids))
+        if fmt.include_usage:
+            yield sse(fmt.usage_chunk(_running_usage(gen, timers)))
+        outcome = "success"
+        yield DONE
+    except APIError as e:
+        outcome = "error"
+        yield sse(e.body())
+        yield DONE
+    finally:
+        _count(svc, outcome, n)
+        svc.finish()
+        await events.aclose()
+
+
+def _running_usage(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> dict[str, int]:
+    return usage(gen.num_prompt_tokens, sum(t.num_output_tokens for t in timers))
+
+
+async def _chain(
+    head: list[tuple[int, TokenDelta]], rest: AsyncIterator[tuple[int, TokenDelta]]
+) -> AsyncIterator[tuple[int, TokenDelta]]:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item

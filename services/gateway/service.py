@@ -1,0 +1,215 @@
+"""The gateway's runtime: controller + cluster state + router policy + plan executor + metrics.
+
+``GatewayService`` is what the HTTP routes call. It takes the gateway, router
+and model sections of the config, a tokenizer and the worker specs with a
+launcher (Ray actors in ``baton serve``, in-process workers in unit tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from router.planner import RatioPlanner
+from router.policy import Policy, available_policies, make_policy, make_policy_from_settings
+from router.types import SLO, Role
+from services.cluster.controller import Controller, ControllerConfig, Launcher
+from services.cluster.rebalance import Rebalancer
+from services.config import GatewayConfig, ModelConfig, RouterConfig
+from services.engine.messages import SamplingParams
+from services.gateway.executor import ExecutorConfig, PlanExecutor
+from services.gateway.state import ClusterState
+from services.gateway.tokens import Tokenizer
+from services.metrics import BatonMetrics
+from services.workers.client import WorkerClient
+from services.workers.messages import TokenDelta, WorkerSnapshot
+from services.workers.worker import WorkerSpec
+
+__all__ = ["GatewayService", "GatewaySettings", "choose_policy"]
+
+log = logging.getLogger(__name__)
+
+_FALLBACK_POLICY = "round_robin"
+_PROMPT_EMA_WEIGHT = 0.05  # mean prompt length the ratio planner sizes prefill by
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    gateway: GatewayConfig
+    router: RouterConfig
+    model: ModelConfig
+    kv_backend: str
+
+
+def choose_policy(router: RouterConfig) -> tuple[str, Policy]:
+    """The configured policy with its settings, or round_robin (said loudly) if it is unknown."""
+    name = router.policy
+    if name not in available_policies():
+        log.warning(
+            "router policy %r is not available (have: %s); falling back to %r",
+            name,
+            ", ".join(available_policies()),
+            _FALLBACK_POLICY,
+        )
+        return _FALLBACK_POLICY, make_policy(_FALLBACK_POLICY)
+    slo = router.default_slo
+    settings = {
+        "profile": router.profile,
+        "default_slo": SLO(ttft_s=slo.ttft_ms / 1e3, tpot_s=slo.tpot_ms / 1e3),
+        "length_split": router.length_split,
+        "length_threshold_tokens": router.length_threshold_tokens,
+        "memory_fraction": router.memory_fraction,
+        "max_hold_s": router.max_hold_s,
+    }
+    return name, make_policy_from_settings(name, settings)
+
+
+class GatewayService:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer: Tokenizer,
+        specs: Sequence[WorkerSpec],
+        launch: Launcher,
+        *,
+        metrics: BatonMetrics | None = None,
+        controller_config: ControllerConfig | None = None,
+        rebalance: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = metrics or BatonMetrics()
+        self.state = ClusterState(settings.router.length_threshold_tokens)
+        self.controller = Controller(
+            specs,
+            launch,
+            on_snapshot=self._on_snapshot,
+            on_worker_down=self._on_worker_down,
+            config=controller_config,
+        )
+        self.policy_name, policy = choose_policy(settings.router)
+        self.executor = PlanExecutor(
+            self.state,
+            self.controller.client,
+            policy,
+            self.metrics,
+            ExecutorConfig(
+                policy_name=self.policy_name,
+                kv_backend=settings.kv_backend,
+                max_hold_s=settings.router.max_hold_s,
+            ),
+            on_worker_died=self.controller.report_dead,
+            tokenizer=tokenizer,
+        )
+        self.rebalancer = self._make_rebalancer(policy) if rebalance else None
+        self._rebalance_task: asyncio.Task[None] | None = None
+        self.started_s = time.time()
+        self.draining = False
+        self._started = False
+        self._num_inflight = 0
+        self._mean_prompt_tokens = 0.0
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model.public_name
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.controller.start()
+        self._started = True
+        if self.rebalancer is not None:
+            self._rebalance_task = asyncio.create_task(self.rebalancer.run_forever())
+
+    async def stop(self) -> None:
+        self.draining = True
+        if self._rebalance_task is not None:
+            self._rebalance_task.cancel()
+            await asyncio.gather(self._rebalance_task, return_exceptions=True)
+        await self.controller.stop()
+
+    def _make_rebalancer(self, policy: Policy) -> Rebalancer | None:
+        """A P/D ratio planner loop, when the policy can report role pressure."""
+        pressure = getattr(policy, "pressure", None)
+        if not callable(pressure):
+            return None
+        return Rebalancer(
+            self.controller,
+            self.state.view,
+            pressure,
+            RatioPlanner(interval_s=self.settings.router.rebalance_interval_s),
+            self.metrics,
+            lambda: self._mean_prompt_tokens,
+        )
+
+    def is_ready(self) -> bool:
+        return self._started and not self.draining and bool(self.state.snapshots())
+
+    def max_model_len(self) -> int | None:
+        return self.state.max_model_len()
+
+    # -- requests ------------------------------------------------------------------------
+    def try_admit(self) -> bool:
+        """Count one request in flight, or refuse if the gateway is full."""
+        if self._num_inflight >= self.settings.gateway.max_inflight_requests:
+            return False
+        self._num_inflight += 1
+        self.metrics.inflight.inc()
+        return True
+
+    def finish(self) -> None:
+        self._num_inflight -= 1
+        self.metrics.inflight.dec()
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        arrival_s: float,
+    ) -> AsyncIterator[TokenDelta]:
+        n = len(prompt_token_ids)
+        m = self._mean_prompt_tokens
+        self._mean_prompt_tokens = n if m == 0 else m + _PROMPT_EMA_WEIGHT * (n - m)
+        return self.executor.run(request_id, prompt_token_ids, sampling, arrival_s)
+
+    def worker_client(self, worker_id: str) -> WorkerClient | None:
+        return self.controller.client(worker_id)
+
+    # -- telemetry -------------------------------------------------------------------------
+    def _on_snapshot(self, s: WorkerSnapshot) -> None:
+        self.state.update(s)
+        m, wid, role = self.metrics, s.worker_id, s.role.value
+        m.kv_blocks.labels(wid, role, "used").set(s.num_used_blocks)
+        m.kv_blocks.labels(wid, role, "free").set(s.num_free_blocks)
+        m.kv_blocks.labels(wid, role, "cached").set(s.num_cached_blocks)
+        m.kv_blocks.labels(wid, role, "held").set(s.num_held_blocks)
+        m.worker_requests.labels(wid, role, "running").set(len(s.running))
+        m.worker_requests.labels(wid, role, "waiting").set(len(s.waiting_prompt_lens))
+        m.worker_preemptions.labels(wid).set(s.num_preemptions)
+        self._count_workers()
+
+    def _on_worker_down(self, worker_id: str, role: Role) -> None:
+        self.state.mark_dead(worker_id)
+        self.metrics.workers.labels(role.value, "dead").inc()
+        self._count_workers()
+        m = self.metrics
+        for r in Role:  # the worker may have changed role: drop every series it had
+            for state in ("used", "free", "cached", "held"):
+                with contextlib.suppress(KeyError):
+                    m.kv_blocks.remove(worker_id, r.value, state)
+            for state in ("running", "waiting"):
+                with contextlib.suppress(KeyError):
+                    m.worker_requests.remove(worker_id, r.value, state)
+        with contextlib.suppress(KeyError):
+            m.worker_preemptions.remove(worker_id)
+
+    def _count_workers(self) -> None:
+        alive: dict[str, int] = {r.value: 0 for r in Role}
+        for s in self.state.snapshots().values():
+            alive[s.role.value] += 1
+        for role, n in alive.items():
+            self.metrics.workers.labels(role, "alive").set(n)

@@ -1,0 +1,369 @@
+"""The engine loop: the one thread that touches a worker's engine and connector.
+
+Engines and connectors are not thread-safe, so everything that reaches them is
+a command on a queue, applied by this thread between steps::
+
+    while running:
+        apply commands         add / adopt+pull / abort / release held / snapshot
+        progress transfers     connector.progress(); poll pulls; start adopted
+        step the engine        while it has work
+        deliver outputs        hold finished prefills; events to the streams
+        publish telemetry      after admissions and finishes, and every interval
+
+Results leave through two callbacks (``on_event``, ``on_snapshot``) that the
+asyncio side of the worker turns into stream items.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kvtransfer.connector import KVConnector, KVTransferError
+from kvtransfer.types import BlockHandle, TransferState
+from router.types import Role
+from services.backends.protocol import Engine
+from services.engine.messages import (
+    EngineError,
+    EngineRequest,
+    InvalidRequestError,
+    RequestOutput,
+)
+from services.workers.messages import (
+    Continue,
+    FailureKind,
+    Generate,
+    Job,
+    KVPulled,
+    RequestFailed,
+    TokenDelta,
+    WorkerEvent,
+    WorkerSnapshot,
+)
+from services.workers.telemetry import LoopState, build_snapshot
+
+__all__ = ["EngineLoop"]
+
+log = logging.getLogger(__name__)
+
+KV_REGION = "kv"
+_IDLE_POLL_S = 0.0005  # while a pull is in flight
+# A snapshot after an admission or a finish goes out this much later, so that its
+# serialisation does not compete with the token that caused it; and no more often
+# than every _MIN_PUBLISH_GAP_S under load.
+_PUBLISH_DELAY_S = 0.002
+_STEP_HISTORY = 256  # step end times kept to stamp the engine's recent steps
+_MIN_PUBLISH_GAP_S = 0.005
+
+
+@dataclass(frozen=True, slots=True)
+class _Submit:
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _ReleaseHeld:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _TakeSnapshot:
+    reply: Future[WorkerSnapshot]
+
+
+_Command = _Submit | _Abort | _ReleaseHeld | _TakeSnapshot
+
+
+@dataclass(slots=True)
+class _Pull:
+    request_id: str
+    transfer_id: str
+    num_bytes: int
+    started_s: float
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        worker_id: str,
+        engine: Engine,
+        connector: KVConnector | None,
+        *,
+        on_event: Callable[[str, WorkerEvent], None],
+        on_snapshot: Callable[[WorkerSnapshot], None],
+        role_state: Callable[[], tuple[Role, bool]],
+        telemetry_interval_s: float,
+        max_num_seqs: int = 256,
+    ) -> None:
+        self._worker_id = worker_id
+        self._engine = engine
+        self._connector = connector
+        self._on_event = on_event
+        self._on_snapshot = on_snapshot
+        self._role_state = role_state
+        self._interval_s = telemetry_interval_s
+        self._max_num_seqs = max_num_seqs
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._active: set[str] = set()  # in the engine: waiting, running or adopting
+        self._pulls: dict[str, _Pull] = {}  # transfer_id -> pull
+        self._held: dict[str, str] = {}  # request_id -> transfer_id of its hold
+        self._seq = 0
+        self._num_finished = 0
+        self._step_ends_s: deque[float] = deque(maxlen=_STEP_HISTORY)
+        self._last_publish_s = 0.0
+        self._dirty = True
+        self._dirty_since_s = 0.0
+        if connector is not None:
+            connector.register(KV_REGION, engine.kv_storage, engine.kv_layout)
+        self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+
+    # -- called from any thread ------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def submit(self, job: Job) -> None:
+        self._put(_Submit(job))
+
+    def abort(self, request_id: str) -> None:
+        self._put(_Abort(request_id))
+
+    def snapshot(self) -> Future[WorkerSnapshot]:
+        reply: Future[WorkerSnapshot] = Future()
+        self._put(_TakeSnapshot(reply))
+        return reply
+
+    def mark_dirty(self) -> None:
+        """Publish a snapshot soon (the role changed)."""
+        self._put(_TakeSnapshot(Future()))
+
+    def _put(self, command: _Command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- the loop ------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._apply_commands()
+            self._progress_transfers()
+            outputs = self._step()
+            self._deliver(outputs)
+            self._publish_if_due()
+            if not outputs:
+                self._wait_for_work()
+        if self._connector is not None:
+            self._connector.close()
+
+    def _step(self) -> list[RequestOutput]:
+        if not self._engine.has_unfinished():
+            return []
+        outputs = self._engine.step()
+        self._step_ends_s.append(time.monotonic())
+        return outputs
+
+    def _wait_for_work(self) -> None:
+        if self._pulls:
+            timeout_s = _IDLE_POLL_S
+        elif self._engine.has_unfinished():
+            timeout_s = 0.001  # blocked on capacity: look again soon
+        else:
+            timeout_s = max(0.0, self._next_publish_s() - time.monotonic())
+        self._wake.wait(timeout_s)
+        self._wake.clear()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            match command:
+                case _Submit(job=Generate(request=request)):
+                    self._add(request)
+                case _Submit(job=Continue() as job):
+                    self._adopt_and_pull(job)
+                case _Abort(request_id=request_id):
+                    self._abort(request_id)
+                case _ReleaseHeld(request_id=request_id):
+                    self._held.pop(request_id, None)
+                    self._engine.release_held(request_id)
+                    self._touch()
+                case _TakeSnapshot(reply=reply):
+                    reply.set_result(self._take_snapshot())
+                    self._touch()
+
+    def _add(self, request: EngineRequest) -> None:
+        request_id = request.request_id
+        try:
+            self._engine.add_request(request)
+        except InvalidRequestError as e:
+            self._fail(request_id, FailureKind.INVALID, str(e), e.param)
+            return
+        except EngineError as e:
+            self._fail(request_id, FailureKind.CAPACITY, str(e))
+            return
+        self._active.add(request_id)
+        self._touch()
+
+    def _adopt_and_pull(self, job: Continue) -> None:
+        request_id = job.request.request_id
+        connector = self._connector
+        if connector is None:
+            self._fail(request_id, FailureKind.INTERNAL, "this worker has no KV connector")
+            return
+        try:
+            block_ids = self._engine.adopt(job.request)
+        except InvalidRequestError as e:
+            self._fail(request_id, FailureKind.INVALID, str(e), e.param)
+            return
+        except EngineError as e:
+            self._fail(request_id, FailureKind.CAPACITY, str(e))
+            return
+        self._active.add(request_id)
+        try:
+            transfer_id = connector.pull(job.handle, KV_REGION, block_ids)
+        except KVTransferError as e:
+            self._engine.abort(request_id)
+            self._active.discard(request_id)
+            self._fail(request_id, FailureKind.TRANSFER, f"KV pull failed: {e}")
+            return
+        num_bytes = len(job.handle.block_ids) * job.handle.layout.block_bytes
+        self._pulls[transfer_id] = _Pull(request_id, transfer_id, num_bytes, time.monotonic())
+
+    def _abort(self, request_id: str) -> None:
+        for transfer_id, pull in list(self._pulls.items()):
+            if pull.request_id == request_id:
+                del self._pulls[transfer_id]
+        if request_id in self._active:
+            self._engine.abort(request_id)
+            self._active.discard(request_id)
+            self._touch()
+        hold_id = self._held.get(request_id)
+        if hold_id is not None and self._connector is not None:
+            self._connector.release(hold_id)  # fires on_release -> _ReleaseHeld
+
+    def _progress_transfers(self) -> None:
+        if self._connector is None:
+            return
+        self._connector.progress()
+        for transfer_id, pull in list(self._pulls.items()):
+            state = self._connector.poll(transfer_id)
+            if not state.is_final:
+                continue
+            del self._pulls[transfer_id]
+            if state is TransferState.DONE:
+                self._engine.start_adopted(pull.request_id)
+                duration_s = time.monotonic() - pull.started_s
+                self._on_event(
+                    pull.request_id, KVPulled(pull.request_id, pull.num_bytes, duration_s)
+                )
+            else:
+                self._engine.abort(pull.request_id)
+                self._active.discard(pull.request_id)
+                self._fail(pull.request_id, FailureKind.TRANSFER, "KV pull failed or timed out")
+
+    def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        for out in outputs:
+            handle = None
+            if out.held_kv is not None:
+                handle = self._hold(out.request_id, out.held_kv.block_ids)
+                if handle is None:
+                    continue
+            if out.finished:
+                self._active.discard(out.request_id)
+                self._num_finished += 1
+                self._touch()
+            self._on_event(out.request_id, _to_delta(out, handle, self._worker_id))
+
+    def _hold(self, request_id: str, block_ids: Sequence[int]) -> BlockHandle | None:
+        connector = self._connector
+        if connector is None:
+            self._engine.release_held(request_id)
+            self._fail(request_id, FailureKind.INTERNAL, "prefill-only needs a KV connector")
+            return None
+        on_release = functools.partial(self._release_from_connector, request_id)
+        handle = connector.hold(KV_REGION, block_ids, on_release=on_release)
+        self._held[request_id] = handle.transfer_id
+        return handle
+
+    def _release_from_connector(self, request_id: str, _block_ids: Sequence[int]) -> None:
+        # The connector may call this from its own thread: the engine is only
+        # touched from the loop, so queue it.
+        self._put(_ReleaseHeld(request_id))
+
+    def _fail(
+        self, request_id: str, kind: FailureKind, message: str, param: str | None = None
+    ) -> None:
+        self._on_event(request_id, RequestFailed(request_id, kind, message, param))
+
+    # -- telemetry -------------------------------------------------------------------
+    def _publish_if_due(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_publish_s():
+            self._on_snapshot(self._take_snapshot())
+            self._dirty = False
+            self._last_publish_s = now
+
+    def _touch(self) -> None:
+        if not self._dirty:
+            self._dirty = True
+            self._dirty_since_s = time.monotonic()
+
+    def _next_publish_s(self) -> float:
+        periodic_s = self._last_publish_s + self._interval_s
+        if not self._dirty:
+            return periodic_s
+        soon_s = max(
+            self._dirty_since_s + _PUBLISH_DELAY_S, self._last_publish_s + _MIN_PUBLISH_GAP_S
+        )
+        return min(soon_s, periodic_s)
+
+    def _take_snapshot(self) -> WorkerSnapshot:
+        role, draining = self._role_state()
+        self._seq += 1
+        return build_snapshot(
+            self._engine,
+            LoopState(
+                worker_id=self._worker_id,
+                role=role,
+                draining=draining,
+                seq=self._seq,
+                num_pending_pulls=len(self._pulls),
+                num_finished_requests=self._num_finished,
+                max_num_seqs=self._max_num_seqs,
+                step_ends_s=tuple(self._step_ends_s),
+            ),
+        )
+
+
+def _to_delta(out: RequestOutput, handle: BlockHandle | None, worker_id: str) -> TokenDelta:
+    return TokenDelta(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finish_reason=out.finish_reason,
+        logprobs=out.logprobs,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        handle=handle,
+        worker_id=worker_id,
+    )

@@ -1,0 +1,125 @@
+"""What crosses the boundary between the gateway and a worker actor.
+
+Gateway -> worker (arguments of ``Worker.generate``)::
+
+    Generate(request)            run a request (full, or prefill-only when
+                                 ``request.prefill_only``) on this worker
+    Continue(request, handle)    adopt a request whose prompt KV another worker
+                                 holds: pull it through the KVConnector, then decode
+
+Worker -> gateway (items of the ``generate`` stream, in order)::
+
+    KVPulled                     only for Continue, once the KV landed
+    TokenDelta ...               one per engine step that produced tokens;
+                                 the last has ``finish_reason`` set
+    RequestFailed                instead of (or after some) deltas; final
+
+and, on the ``telemetry`` stream, ``WorkerSnapshot`` at least every
+``telemetry_interval_s`` and after every admission or finish.
+
+Everything is a frozen, slotted dataclass: small to pickle, immutable once sent.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtransfer.types import BlockHandle
+from router.types import Role, RunningRequest, StepSample
+from services.engine.messages import EngineRequest, FinishReason, TokenLogprob
+
+__all__ = [
+    "Continue",
+    "FailureKind",
+    "Generate",
+    "Job",
+    "KVPulled",
+    "RequestFailed",
+    "TokenDelta",
+    "WorkerEvent",
+    "WorkerSnapshot",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    request: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    request: EngineRequest  # output_token_ids holds the tokens generated elsewhere
+    handle: BlockHandle
+
+
+Job = Generate | Continue
+
+
+class FailureKind(enum.StrEnum):
+    INVALID = "invalid"  # the engine refused the request (HTTP 400)
+    TRANSFER = "transfer"  # the KV pull failed or timed out: re-plan
+    CAPACITY = "capacity"  # no room to adopt: re-plan elsewhere
+    INTERNAL = "internal"  # anything else the worker caught
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, tokens generated elsewhere included
+    num_cached_tokens: int = 0
+    handle: BlockHandle | None = None  # set on a prefill-only request's last delta
+    worker_id: str = ""  # who produced it
+
+
+@dataclass(frozen=True, slots=True)
+class KVPulled:
+    request_id: str
+    num_bytes: int
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    request_id: str
+    kind: FailureKind
+    message: str
+    param: str | None = None
+
+
+WorkerEvent = TokenDelta | KVPulled | RequestFailed
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """A worker's state as the router needs it (DESIGN 3, worker telemetry)."""
+
+    worker_id: str
+    role: Role
+    draining: bool
+    seq: int  # increases with every snapshot of this worker
+    time_s: float  # worker's monotonic clock when taken
+    block_size: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_held_blocks: int
+    running: tuple[RunningRequest, ...]
+    waiting_prompt_lens: tuple[int, ...]
+    recent_steps: tuple[StepSample, ...]
+    recent_output_lens: tuple[int, ...]
+    num_preemptions: int
+    num_pending_pulls: int
+    num_finished_requests: int  # since start, prefill-only ones included
+    kv_bytes_per_token: int
+    max_num_seqs: int
+    max_model_len: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks

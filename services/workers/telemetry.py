@@ -1,0 +1,74 @@
+"""A worker's telemetry snapshot (DESIGN 3): what the router needs, built from engine stats."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.types import Role, RunningRequest, StepSample
+from services.backends.protocol import Engine
+from services.engine.messages import StepStats
+from services.workers.messages import WorkerSnapshot
+
+__all__ = ["LoopState", "build_snapshot"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoopState:
+    """What the engine loop knows beyond the engine's own stats."""
+
+    worker_id: str
+    role: Role
+    draining: bool
+    seq: int
+    num_pending_pulls: int
+    num_finished_requests: int
+    max_num_seqs: int
+    step_ends_s: tuple[float, ...]  # when the loop's recent step() calls returned
+
+
+def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
+    """Called on the engine loop thread (``engine.stats()`` is not thread-safe)."""
+    stats = engine.stats()
+    layout = engine.kv_layout
+    return WorkerSnapshot(
+        worker_id=loop.worker_id,
+        role=loop.role,
+        draining=loop.draining,
+        seq=loop.seq,
+        time_s=time.monotonic(),
+        block_size=stats.block_size,
+        num_total_blocks=stats.num_total_blocks,
+        num_free_blocks=stats.num_free_blocks,
+        num_cached_blocks=stats.num_cached_blocks,
+        num_held_blocks=stats.num_held_blocks,
+        running=tuple(
+            RunningRequest(r.num_tokens_held, r.num_generated, r.max_tokens) for r in stats.running
+        ),
+        waiting_prompt_lens=stats.waiting_prompt_lens,
+        recent_steps=stamp_steps(stats.recent_steps, loop.step_ends_s),
+        recent_output_lens=stats.recent_output_lens,
+        num_preemptions=stats.num_preemptions,
+        num_pending_pulls=loop.num_pending_pulls,
+        num_finished_requests=loop.num_finished_requests,
+        kv_bytes_per_token=layout.block_bytes // layout.block_size,
+        max_num_seqs=loop.max_num_seqs,
+        max_model_len=engine.model_info.max_model_len,
+    )
+
+
+def stamp_steps(steps: Sequence[StepStats], ends_s: Sequence[float]) -> tuple[StepSample, ...]:
+    """Steps with the time each ended (the router de-duplicates telemetry by it).
+
+    The engine's StepStats carry no clock, so the newest steps are matched with
+    the loop's newest ``step()`` calls, in order.
+    """
+    ends = list(ends_s)[-len(steps) :] if steps else []
+    ends = [0.0] * (len(steps) - len(ends)) + ends
+    return tuple(
+        StepSample(
+            s.duration_s, s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens, end_s
+        )
+        for s, end_s in zip(steps, ends, strict=True)
+    )

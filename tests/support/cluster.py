@@ -1,0 +1,47 @@
+"""Building gateway services for tests: Ray or in-process workers, real or fake engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.cluster.controller import ControllerConfig
+from services.cluster.factories import ConnectorFactory, EngineFactory
+from services.cluster.launchers import RayLauncher, launch_in_process
+from services.cluster.specs import worker_specs
+from services.config import ClusterConfig
+from services.engine.loader import load_tokenizer
+from services.gateway.service import GatewayService, GatewaySettings
+
+
+def tiny_config(**overrides: Any) -> ClusterConfig:
+    base = {
+        "model.name": "tiny",
+        "engine.device": "cpu",
+        "engine.num_threads": 1,
+        "engine.kv_cache_bytes": 8 * 2**20,
+        "kvtransfer.lease_s": 2.0,
+        "kvtransfer.transfer_timeout_s": 5.0,
+        "router.policy": "round_robin",
+        "router.max_hold_s": 0.0,
+        "workers.num_cpus": 0,
+    }
+    return ClusterConfig().with_overrides({**base, **overrides})
+
+
+def real_service(config: ClusterConfig, *, ray: bool, replace_dead: bool = False) -> GatewayService:
+    specs = worker_specs(
+        config,
+        EngineFactory(config.engine.backend, config.model, config.engine),
+        ConnectorFactory(config.kvtransfer),
+    )
+    settings = GatewaySettings(
+        config.gateway, config.router, config.model, config.kvtransfer.backend
+    )
+    launcher = RayLauncher(num_cpus=config.workers.num_cpus, num_gpus=0) if ray else None
+    return GatewayService(
+        settings,
+        load_tokenizer(config.model.name),
+        specs,
+        launcher or launch_in_process,
+        controller_config=ControllerConfig(replace_dead=replace_dead),
+    )

@@ -1,0 +1,178 @@
+"""The plan executor against scripted worker clients: placement, hand-off, re-planning."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import pytest
+
+from kvtransfer.types import BlockHandle, KVLayout
+from router.policy import make_policy
+from router.types import Role
+from services.backends.fake import FakeTokenizer
+from services.engine.messages import FinishReason, SamplingParams
+from services.gateway.errors import BadRequest
+from services.gateway.executor import ExecutorConfig, PlanExecutor
+from services.gateway.state import ClusterState
+from services.metrics import BatonMetrics
+from services.workers.client import WorkerDiedError
+from services.workers.messages import (
+    Continue,
+    FailureKind,
+    Generate,
+    Job,
+    KVPulled,
+    RequestFailed,
+    TokenDelta,
+    WorkerEvent,
+    WorkerSnapshot,
+)
+
+pytestmark = pytest.mark.asyncio
+
+LAYOUT = KVLayout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=1, dtype="float32")
+HANDLE = BlockHandle("local", "p", "kv", "t1", (3,), LAYOUT, expires_at_s=1e9)
+PROMPT = tuple(range(65, 75))
+A, B, C, D = (ord(c) for c in "abcd")
+
+Script = Callable[[Job], Sequence[WorkerEvent | Exception]]
+
+
+def snapshot(worker_id: str, role: Role) -> WorkerSnapshot:
+    return WorkerSnapshot(
+        worker_id=worker_id, role=role, draining=False, seq=1, time_s=0.0, block_size=16,
+        num_total_blocks=64, num_free_blocks=64, num_cached_blocks=0, num_held_blocks=0,
+        running=(), waiting_prompt_lens=(), recent_steps=(), recent_output_lens=(),
+        num_preemptions=0, num_pending_pulls=0, num_finished_requests=0, kv_bytes_per_token=8,
+        max_num_seqs=8, max_model_len=512,
+    )  # fmt: skip
+
+
+class ScriptedWorker:
+    def __init__(self, worker_id: str, script: Script) -> None:
+        self.worker_id = worker_id
+        self.script = script
+        self.jobs: list[Job] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, job: Job) -> AsyncIterator[WorkerEvent]:
+        self.jobs.append(job)
+        for event in self.script(job):
+            if isinstance(event, Exception):
+                raise event
+            yield event
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def delta(token: int, finish: FinishReason | None = None, **kw: Any) -> TokenDelta:
+    return TokenDelta("r", (token,), chr(token), finish, **kw)
+
+
+def build(
+    workers: list[tuple[ScriptedWorker, Role]],
+) -> tuple[PlanExecutor, BatonMetrics, list[str]]:
+    state = ClusterState()
+    for w, role in workers:
+        state.update(snapshot(w.worker_id, role))
+    by_id = {w.worker_id: w for w, _ in workers}
+    died: list[str] = []
+
+    def on_died(worker_id: str) -> None:
+        died.append(worker_id)
+        state.mark_dead(worker_id)
+        by_id.pop(worker_id, None)
+
+    metrics = BatonMetrics()
+    executor = PlanExecutor(
+        state, by_id.get, make_policy("round_robin"), metrics,  # type: ignore[arg-type]
+        ExecutorConfig("round_robin", "local", max_hold_s=0.0), on_died, FakeTokenizer(),
+    )  # fmt: skip
+    return executor, metrics, died
+
+
+async def collect(executor: PlanExecutor, max_tokens: int = 4) -> list[TokenDelta]:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [d async for d in executor.run("r", PROMPT, sampling, 0.0)]
+
+
+def prefill_script(job: Job) -> list[WorkerEvent]:
+    return [delta(A, FinishReason.PREFILLED, handle=HANDLE)]
+
+
+async def test_prefill_hands_off_to_decode_and_client_sees_one_stream() -> None:
+    p = ScriptedWorker("p", prefill_script)
+    d = ScriptedWorker(
+        "d",
+        lambda job: [KVPulled("r", 128, 0.001), delta(B), delta(C), delta(D, FinishReason.LENGTH)],
+    )
+    executor, metrics, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    out = await collect(executor)
+    assert "".join(x.text for x in out) == "abcd"
+    assert [x.finish_reason for x in out] == [None, None, None, FinishReason.LENGTH]
+    assert all(x.handle is None for x in out)  # the handle never leaves the gateway
+    (p_job,), (d_job,) = p.jobs, d.jobs
+    assert isinstance(p_job, Generate) and p_job.request.prefill_only
+    assert isinstance(d_job, Continue) and d_job.handle == HANDLE
+    assert d_job.request.output_token_ids == (A,)
+    assert p.aborted == [] and d.aborted == []
+    assert metrics.transfer_bytes.labels("local")._value.get() == 128
+
+
+async def test_failed_pull_re_prefills_elsewhere_keeping_the_first_token() -> None:
+    p = ScriptedWorker("p", prefill_script)
+    d = ScriptedWorker(
+        "d",
+        lambda job: (
+            [RequestFailed("r", FailureKind.TRANSFER, "timed out")]
+            if isinstance(job, Continue)
+            else [delta(B), delta(C), delta(D, FinishReason.LENGTH)]
+        ),
+    )
+    executor, metrics, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    out = await collect(executor)
+    assert "".join(x.text for x in out) == "abcd"
+    retry = d.jobs[-1]
+    assert isinstance(retry, Generate) and retry.request.output_token_ids == (A,)
+    assert retry.request.request_id == "r.retry1"
+    assert p.aborted == ["r"]  # the unpulled hold is released at once
+    assert metrics.retries.labels("transfer")._value.get() == 1
+    assert metrics.transfer_failures.labels("local")._value.get() == 1
+
+
+async def test_decode_worker_death_continues_on_a_live_worker() -> None:
+    p = ScriptedWorker(
+        "p",
+        lambda job: (
+            prefill_script(job)
+            if job.request.prefill_only
+            else [delta(C), delta(D, FinishReason.LENGTH)]
+        ),
+    )
+    d = ScriptedWorker("d", lambda job: [delta(B), WorkerDiedError("d")])
+    executor, metrics, died = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    out = await collect(executor)
+    assert "".join(x.text for x in out) == "abcd"
+    assert died == ["d"]
+    assert p.jobs[-1].request.output_token_ids == (A, B)
+    assert metrics.retries.labels("worker_died")._value.get() == 1
+
+
+async def test_invalid_request_is_a_bad_request_not_a_retry() -> None:
+    w = ScriptedWorker("m", lambda job: [RequestFailed("r", FailureKind.INVALID, "no", "prompt")])
+    executor, _, _ = build([(w, Role.MIXED)])
+    with pytest.raises(BadRequest) as e:
+        await collect(executor)
+    assert e.value.param == "prompt" and len(w.jobs) == 1
+
+
+async def test_stop_string_seen_at_the_gateway_ends_the_stream_and_aborts() -> None:
+    w = ScriptedWorker("m", lambda job: [delta(A), delta(B), delta(C), delta(D)])
+    executor, _, _ = build([(w, Role.MIXED)])
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, stop=("bc",))
+    out = [d async for d in executor.run("r", PROMPT, sampling, 0.0)]
+    assert "".join(x.text for x in out) == "a"
+    assert out[-1].finish_reason is FinishReason.STOP
+    assert w.aborted == ["r"]  # the worker did not finish on its own: told to stop

@@ -1,0 +1,53 @@
+"""``baton serve`` flags over the YAML; the API key from the environment only in the CLI."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from router.types import Role
+from services.cluster.factories import FakeEngineFactory
+from services.cluster.serve import add_arguments, build_config
+from services.cluster.specs import worker_specs
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_override_the_yaml() -> None:
+    args = parse(
+        "--config", "deploy/configs/local.yaml", "--prefill", "2", "--decode", "3",
+        "--kv-backend", "torch", "--policy", "least_loaded", "--port", "9001",
+        "--served-model-name", "mine", "--dtype", "float32",
+    )  # fmt: skip
+    config = build_config(args, environ={})
+    assert (config.workers.prefill, config.workers.decode) == (2, 3)
+    assert config.kvtransfer.backend == "torch" and config.router.policy == "least_loaded"
+    assert config.gateway.port == 9001 and config.model.public_name == "mine"
+    assert config.engine.block_size == 16  # untouched YAML values stay
+    roles = [s.role for s in worker_specs(config, FakeEngineFactory(), None)]
+    assert roles == [Role.PREFILL] * 2 + [Role.DECODE] * 3
+
+
+def test_colocated_mode_makes_mixed_workers_without_connectors() -> None:
+    config = build_config(parse("--mode", "colocated", "--prefill", "1", "--decode", "1"), {})
+    specs = worker_specs(config, FakeEngineFactory(), lambda name: None)  # type: ignore[arg-type,return-value]
+    assert [s.role for s in specs] == [Role.MIXED, Role.MIXED]
+    assert all(s.connector_factory is None for s in specs)
+
+
+def test_api_key_from_flag_or_environment() -> None:
+    assert build_config(parse(), {"BATON_API_KEY": "env-key"}).gateway.api_key == "env-key"
+    assert (
+        build_config(parse("--api-key", "flag"), {"BATON_API_KEY": "e"}).gateway.api_key == "flag"
+    )
+    assert build_config(parse(), {}).gateway.api_key is None
+
+
+def test_invalid_combination_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill and one decode"):
+        build_config(parse("--mode", "disaggregated", "--prefill", "0"), {})

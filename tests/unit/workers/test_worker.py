@@ -1,0 +1,147 @@
+"""The Worker object in-process (FakeEngine): streaming, telemetry cadence, role changes, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from kvtransfer import make_connector
+from router.types import Role
+from services.backends.fake import FakeEngine, FakeTokenizer
+from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+from services.workers.messages import Continue, Generate, KVPulled, TokenDelta, WorkerSnapshot
+from services.workers.worker import Worker, WorkerSpec
+
+pytestmark = pytest.mark.asyncio
+
+TOK = FakeTokenizer()
+
+
+def request(rid: str, text: str = "hello", max_tokens: int = 8, **kw: object) -> EngineRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return EngineRequest(rid, tuple(TOK.encode(text)), sampling, **kw)  # type: ignore[arg-type]
+
+
+def local_connector(agent: str):  # type: ignore[no-untyped-def]
+    return make_connector("local", agent_name=agent, lease_s=1.0)
+
+
+@pytest.fixture
+async def worker():  # type: ignore[no-untyped-def]
+    made: list[Worker] = []
+
+    def make(role: Role = Role.MIXED, name: str = "w", **kw: object) -> Worker:
+        spec = WorkerSpec(name, role, FakeEngine, telemetry_interval_s=0.05, **kw)  # type: ignore[arg-type]
+        made.append(Worker(spec))
+        return made[-1]
+
+    yield make
+    for w in made:
+        await w.shutdown()
+
+
+async def test_tokens_stream_as_they_are_produced(worker) -> None:  # type: ignore[no-untyped-def]
+    w = worker()
+    stream = w.generate(Generate(request("r", max_tokens=300)))
+    first = await anext(stream)  # the consumer waits: the first step's delta comes alone
+    assert isinstance(first, TokenDelta) and first.num_output_tokens == 1
+    assert first.finish_reason is None and first.worker_id == "w"
+    rest = [e async for e in stream]
+    tokens = [t for e in (first, *rest) if isinstance(e, TokenDelta) for t in e.token_ids]
+    assert len(tokens) == 300 and rest[-1].finish_reason is FinishReason.LENGTH
+    counts = [e.num_output_tokens for e in rest if isinstance(e, TokenDelta)]
+    assert counts == sorted(counts) and counts[-1] == 300
+
+
+async def test_a_lagging_consumer_gets_merged_deltas_with_nothing_lost(worker) -> None:  # type: ignore[no-untyped-def]
+    w = worker()
+    full = "".join([e.text async for e in w.generate(Generate(request("a", max_tokens=40)))])  # type: ignore[union-attr]
+    merged: list[TokenDelta] = []
+    async for e in w.generate(Generate(request("b", max_tokens=40))):
+        assert isinstance(e, TokenDelta)
+        merged.append(e)
+        await asyncio.sleep(0.01)  # slower than the engine
+    assert "".join(e.text for e in merged) == full
+    assert sum(len(e.token_ids) for e in merged) == 40 and len(merged) < 40
+
+
+async def test_telemetry_is_periodic_and_follows_admissions(worker) -> None:  # type: ignore[no-untyped-def]
+    w = worker()
+    seen: list[tuple[float, WorkerSnapshot]] = []
+
+    async def watch() -> None:
+        async for s in w.telemetry():
+            seen.append((time.monotonic(), s))
+
+    task = asyncio.create_task(watch())
+    await asyncio.sleep(0.3)
+    idle = [t for t, _ in seen]
+    gaps = [b - a for a, b in itertools.pairwise(idle)]
+    assert len(idle) >= 4 and max(gaps) < 0.1  # every 50 ms, with slack
+    n = len(seen)
+    [e async for e in w.generate(Generate(request("r", max_tokens=3)))]
+    await asyncio.sleep(0.02)
+    after = [s for _, s in seen[n:]]
+    assert any(s.num_finished_requests == 1 for s in after)
+    assert [s.seq for _, s in seen] == sorted({s.seq for _, s in seen})
+    task.cancel()
+
+
+async def test_consumer_leaving_aborts_and_frees_blocks(worker) -> None:  # type: ignore[no-untyped-def]
+    w = worker()
+    stream = w.generate(Generate(request("r", max_tokens=400)))
+    await anext(stream)
+    busy = await w.snapshot()
+    assert len(busy.running) == 1 and busy.num_used_blocks > 0
+    await stream.aclose()
+    await asyncio.sleep(0.05)
+    idle = await w.snapshot()
+    assert idle.running == () and idle.num_used_blocks == 0
+
+
+async def test_set_role_drains_first(worker) -> None:  # type: ignore[no-untyped-def]
+    w = worker(Role.PREFILL)
+    stream = w.generate(Generate(request("r", max_tokens=60)))
+    await anext(stream)
+    flip = asyncio.create_task(w.set_role(Role.DECODE))
+    await asyncio.sleep(0.01)
+    draining = await w.snapshot()
+    assert draining.draining and draining.role is Role.PREFILL and not flip.done()
+    rest = [e async for e in stream]
+    assert rest[-1].finish_reason is FinishReason.LENGTH  # in-flight work finished
+    assert await asyncio.wait_for(flip, 2.0) is Role.DECODE
+    done = await w.snapshot()
+    assert done.role is Role.DECODE and not done.draining
+
+
+async def test_prefill_hold_is_pulled_by_decode_and_released(worker) -> None:  # type: ignore[no-untyped-def]
+    p = worker(Role.PREFILL, "p", connector_factory=local_connector)
+    d = worker(Role.DECODE, "d", connector_factory=local_connector)
+    full = [e async for e in worker(Role.MIXED, "m").generate(Generate(request("x")))]
+    (first,) = [e async for e in p.generate(Generate(request("x", prefill_only=True)))]
+    assert isinstance(first, TokenDelta) and first.finish_reason is FinishReason.PREFILLED
+    assert first.handle is not None and (await p.snapshot()).num_held_blocks == 1
+    cont = request("x", output_token_ids=first.token_ids)
+    events = [e async for e in d.generate(Continue(cont, first.handle))]
+    assert (
+        isinstance(events[0], KVPulled) and events[0].num_bytes == first.handle.layout.block_bytes
+    )
+    tokens = [
+        *first.token_ids,
+        *(t for e in events[1:] if isinstance(e, TokenDelta) for t in e.token_ids),
+    ]
+    assert tokens == [t for e in full if isinstance(e, TokenDelta) for t in e.token_ids]
+    await asyncio.sleep(0.05)
+    assert (await p.snapshot()).num_held_blocks == 0  # the pull's notification freed it
+
+
+async def test_unpulled_hold_expires_with_its_lease(worker) -> None:  # type: ignore[no-untyped-def]
+    p = worker(Role.PREFILL, "p2", connector_factory=local_connector)
+    [_] = [e async for e in p.generate(Generate(request("y", prefill_only=True)))]
+    assert (await p.snapshot()).num_held_blocks == 1
+    await asyncio.sleep(1.3)  # lease_s = 1.0
+    snap = await p.snapshot()
+    assert snap.num_held_blocks == 0 and snap.num_used_blocks == 0
