@@ -2,7 +2,11 @@
 
 The actor is async (its methods run on one event loop; the engine runs in the
 worker's own loop thread), asks Ray for a GPU on CUDA machines and for a small,
-configurable share of CPU otherwise.
+configurable share of CPU otherwise. On a cluster whose nodes advertise a
+custom resource named after a role (the Helm chart's worker groups offer
+``{"prefill": N}``, ``{"decode": N}``...), the actor also asks for one unit of
+its role's resource so it lands on a pod of that group; on a laptop, where no
+node offers it, placement is unconstrained.
 """
 
 from __future__ import annotations
@@ -16,6 +20,12 @@ from services.workers.worker import Worker, WorkerSpec
 __all__ = ["launch_ray_worker"]
 
 _MAX_CONCURRENT_CALLS = 4096  # streams + telemetry + control calls in flight at once
+
+
+def _cluster_resource_names() -> set[str]:
+    import ray
+
+    return set(ray.cluster_resources())
 
 
 @functools.cache
@@ -40,5 +50,8 @@ def launch_ray_worker(
     }
     if runtime_env:
         options["runtime_env"] = runtime_env
+    role_resource = str(spec.role.value)
+    if role_resource in _cluster_resource_names():
+        options["resources"] = {role_resource: 1}
     actor = _actor_class().options(**options).remote(spec)
     return RayWorkerClient(spec.worker_id, actor)
