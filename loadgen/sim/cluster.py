@@ -64,6 +64,7 @@ class SimCluster:
         self.max_hold_s = max_hold_s
         self.hold_poll_s = hold_poll_s
         self.max_tokens = max_tokens
+        self._dirty: list[SimWorker] = []
         self.workers = [
             SimWorker(
                 f"{role.value}-{i}",
@@ -74,10 +75,12 @@ class SimCluster:
                 self._on_prefilled,
                 self._on_finished,
                 self._on_step,
+                self._dirty,
             )
             for i, role in enumerate(roles)
         ]
         self._by_id = {w.worker_id: w for w in self.workers}
+        self._index = {w.worker_id: i for i, w in enumerate(self.workers)}
         self._views: list[WorkerView | None] = [None] * len(self.workers)
         self._steps: dict[str, deque[StepSample]] = {
             w.worker_id: deque(maxlen=4) for w in self.workers
@@ -187,7 +190,7 @@ class SimCluster:
             decode = self._by_id[plan.decode_worker]
             req.decode_worker = decode
             decode.reserved[req.request_id] = req
-            decode.dirty = True
+            decode.mark_dirty()
         if self.prefix_caching:
             hit = self._cached_prefix_tokens(prefill, req)
             req.prefill_left = req.prefill_total = max(1, req.input_len - hit)
@@ -280,15 +283,15 @@ class SimCluster:
         limit = max(1, worker.capacity_tokens // max(1, self._block_tokens(req)))
         while len(cache) > limit:
             cache.popitem(last=False)
-        worker.dirty = True
+        worker.mark_dirty()
 
     # ---- views ----------------------------------------------------------------------
     def _cluster_view(self, now_s: float) -> ClusterView:
         views = self._views
-        for i, worker in enumerate(self.workers):
-            if worker.dirty:
-                views[i] = self._worker_view(worker, now_s)
-                worker.dirty = False
+        for worker in self._dirty:
+            views[self._index[worker.worker_id]] = self._worker_view(worker, now_s)
+            worker.dirty = False
+        self._dirty.clear()
         if not self._history_view and self._history:
             self._history_view = tuple(self._history)
         return ClusterView(tuple(views), self._history_view)  # type: ignore[arg-type]

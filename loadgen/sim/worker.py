@@ -93,6 +93,7 @@ class SimWorker:
         on_prefilled: Hook,
         on_finished: Hook,
         on_step: StepHook,
+        dirty_list: list[SimWorker],
     ) -> None:
         self.worker_id = worker_id
         self.role = role
@@ -116,6 +117,8 @@ class SimWorker:
         self.version = 0  # bumps invalidate a scheduled step end
         self.busy = False
         self.dirty = True  # view must be rebuilt
+        self._dirty_list = dirty_list  # shared: the cluster rebuilds only these views
+        dirty_list.append(self)
         # The step in flight.
         self._t0 = 0.0
         self._base = 0.0
@@ -125,16 +128,21 @@ class SimWorker:
         self._end_s = 0.0
         self.num_preempted = 0
 
+    def mark_dirty(self) -> None:
+        if not self.dirty:
+            self.dirty = True
+            self._dirty_list.append(self)
+
     # ---- arrivals -------------------------------------------------------
     def enqueue_prefill(self, req: SimRequest, now_s: float) -> None:
         self.queues[req.length_class].append(req)
         self.queued_tokens[req.length_class] += req.prefill_left
-        self.dirty = True
+        self.mark_dirty()
         self._poke(now_s)
 
     def enqueue_decode(self, req: SimRequest, now_s: float) -> None:
         self.waiting.append(req)
-        self.dirty = True
+        self.mark_dirty()
         self._poke(now_s)
 
     def _poke(self, now_s: float) -> None:
@@ -213,7 +221,7 @@ class SimWorker:
                 self._prefilled(req, now_s)
         self._chunks = []
         self._on_step(self, now_s - self._t0, mean_step_s, steps * batch, num_prefill, batch)
-        self.dirty = True
+        self.mark_dirty()
         self._preempt_if_full()
         self._start_step(now_s)
 
@@ -251,7 +259,7 @@ class SimWorker:
     def _join(self, req: SimRequest) -> None:
         self.running.append(req)
         self.used_tokens += req.held
-        self.dirty = True
+        self.mark_dirty()
 
     def _preempt_if_full(self) -> None:
         # Recompute-style preemption of the newest, as vLLM does.
