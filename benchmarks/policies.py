@@ -1,0 +1,147 @@
+"""Goodput of every router policy and of aggregated serving, simulated (``make bench-policies``).
+
+Same mixed-length workload, same SLO, same GPU count for everyone. For each
+GPU count and policy we sweep the arrival rate, take the rate at which SLO
+attainment crosses 90% (linear interpolation between grid points) as the
+goodput, and keep the best prefill:decode split of the ones tried (the
+aggregated baseline has no split: every GPU is a mixed worker with chunked
+prefill). Prints one JSON object per (GPU count, policy)::
+
+    {"gpus", "policy", "goodput", "goodput_per_gpu", "split", "best_baseline", "vs_best_baseline"}
+
+``best_baseline`` is the best goodput among the other policies and
+``aggregated`` in this same run. Saves ``attainment_vs_rate_<gpus>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadgen.arrivals import RateSpec
+from loadgen.metrics import GoodputSLO
+from loadgen.plots import plot_attainment_vs_rate
+from loadgen.scenario import WorkloadConfig
+from loadgen.sim import SimConfig, simulate
+from loadgen.sim.profile import load_profile
+from router.policy import available_policies
+
+TARGET_ATTAINMENT = 0.9
+INPUT_LEN = "mix:0.9*uniform:32-256,0.1*uniform:2000-6000"
+OUTPUT_LEN = "uniform:16-256"
+SLO = GoodputSLO(ttft_ms=500, tpot_ms=25)
+RATES_PER_GPU = (8.0, 16.0, 20.0, 24.0, 28.0, 32.0, 36.0, 40.0, 48.0, 56.0, 64.0)
+PREFILL_SHARES = (0.25, 0.5, 0.75)
+
+
+def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINMENT) -> float:
+    """Highest rate with attainment >= target, interpolated to the first crossing."""
+    points = sorted(points)
+    best = 0.0
+    for (r0, a0), (r1, a1) in itertools.pairwise(points):
+        if a0 >= target > a1:
+            return r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
+        if a0 >= target:
+            best = r0
+    if points and points[-1][1] >= target:
+        best = points[-1][0]
+    return best
+
+
+def sweep(
+    policy: str, gpus: int, num_prefill: int, requests_per_gpu: int, profile_name: str
+) -> list[dict[str, Any]]:
+    out = []
+    for per_gpu in RATES_PER_GPU:
+        config = SimConfig(
+            workload=WorkloadConfig(
+                input_len=INPUT_LEN,
+                output_len=OUTPUT_LEN,
+                num_requests=max(500, requests_per_gpu * gpus),
+                seed=0,
+            ),
+            rate=RateSpec(per_gpu * gpus),
+            num_prefill=num_prefill,
+            num_decode=gpus - num_prefill,
+            num_colocated=gpus if policy == "aggregated" else 0,
+            policy="round_robin" if policy == "aggregated" else policy,
+            profile=load_profile(profile_name),
+            slo=SLO,
+        )
+        summary = simulate(config).summary
+        out.append(summary)
+        if summary["slo_attainment"] < 0.5:  # far past the knee: higher rates only cost time
+            break
+    return out
+
+
+def best_split(
+    policy: str, gpus: int, requests_per_gpu: int, profile_name: str
+) -> tuple[float, str, list[dict[str, Any]]]:
+    if policy == "aggregated":
+        runs = sweep(policy, gpus, 0, requests_per_gpu, profile_name)
+        return (
+            goodput_at([(float(s["rate"]), s["slo_attainment"]) for s in runs]),
+            f"0:0:{gpus}",
+            runs,
+        )
+    best: tuple[float, str, list[dict[str, Any]]] = (-1.0, "", [])
+    for share in PREFILL_SHARES:
+        num_prefill = min(gpus - 1, max(1, round(share * gpus)))
+        runs = sweep(policy, gpus, num_prefill, requests_per_gpu, profile_name)
+        g = goodput_at([(float(s["rate"]), s["slo_attainment"]) for s in runs])
+        if g > best[0]:
+            best = (g, f"{num_prefill}:{gpus - num_prefill}:0", runs)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="16,256", help="comma list of GPU counts")
+    parser.add_argument("--requests-per-gpu", type=int, default=100)
+    parser.add_argument("--profile", default="llama3-8b-h100")
+    parser.add_argument("--policies", default=None, help="comma list (default: all + aggregated)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/policies"))
+    args = parser.parse_args()
+    policies = args.policies.split(",") if args.policies else [*available_policies(), "aggregated"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    for gpus in (int(g) for g in args.gpus.split(",")):
+        results: dict[str, tuple[float, str]] = {}
+        curves: dict[str, list[dict[str, Any]]] = {}
+        for policy in policies:
+            goodput, split, runs = best_split(policy, gpus, args.requests_per_gpu, args.profile)
+            results[policy] = (goodput, split)
+            curves[f"{policy} ({split})"] = runs
+        for policy, (goodput, split) in results.items():
+            others = [g for p, (g, _) in results.items() if p != policy]
+            baseline = max(others, default=0.0)
+            print(
+                json.dumps(
+                    {
+                        "gpus": gpus,
+                        "policy": policy,
+                        "goodput": round(goodput, 2),
+                        "goodput_per_gpu": round(goodput / gpus, 3),
+                        "split": split,  # prefill:decode:mixed
+                        "best_baseline": round(baseline, 2),
+                        "vs_best_baseline": round(goodput / baseline, 3) if baseline else None,
+                        "slo_ms": SLO.as_dict(),
+                        "profile": args.profile,
+                    }
+                ),
+                flush=True,
+            )
+        plot_attainment_vs_rate(
+            curves,
+            args.out / f"attainment_vs_rate_{gpus}.png",
+            title=f"{gpus} GPUs, {args.profile}, TTFT<={SLO.ttft_ms:g}ms TPOT<={SLO.tpot_ms:g}ms",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
