@@ -73,6 +73,7 @@ class StepSample:
     num_prefill_tokens: int
     num_decode_seqs: int
     total_context_tokens: int
+    end_s: float = 0.0  # when the step ended (worker clock, monotonic): de-duplicates telemetry
 
 
 @dataclass(frozen=True, slots=True)

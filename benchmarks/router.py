@@ -1,0 +1,167 @@
+"""Router decision time vs cluster size (``make bench-router``).
+
+For clusters of 8, 64 and 1024 workers (half prefill, half decode, 64 running
+requests per decode worker), time ``policy.plan`` for every registered policy in
+two scenarios:
+
+* ``steady``: the same ``ClusterView`` for every decision (the per-snapshot caches
+  are warm);
+* ``one_changed``: before each decision one worker reports a new snapshot, as
+  when telemetry or a gateway reservation arrives between two requests.
+
+Prints one JSON line per (policy, workers, scenario) with p50/p99 in µs and the
+ratio of p99 to ``round_robin``'s (the baseline, measured in the same run).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this file's folder leads sys.path and its name shadows the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from router import available_policies, make_policy  # noqa: E402
+from router.types import (  # noqa: E402
+    ClusterView,
+    LengthClass,
+    Priority,
+    RequestProfile,
+    Role,
+    RunningRequest,
+    WorkerView,
+)
+
+BASELINE = "round_robin"
+TARGETS_P99_US = {64: 100.0, 1024: 1000.0}  # slo_goodput's targets
+
+
+def make_worker(rng: random.Random, index: int, role: Role, num_running: int) -> WorkerView:
+    running = tuple(
+        RunningRequest(
+            num_tokens_held=rng.randint(64, 2048) + (g := rng.randint(0, 400)),
+            num_generated=g,
+            max_tokens=rng.choice((512, 1024, 2048)),
+        )
+        for _ in range(num_running if role is Role.DECODE else 0)
+    )
+    total_blocks = rng.randint(9000, 14000)
+    used = sum(r.num_tokens_held for r in running) // 16 + 1
+    queued_short = rng.randint(0, 4) if role is Role.PREFILL else 0
+    queued_long = rng.randint(0, 2) if role is Role.PREFILL else 0
+    return WorkerView(
+        worker_id=f"w{index:04d}",
+        role=role,
+        num_total_blocks=total_blocks,
+        num_free_blocks=max(0, total_blocks - used),
+        queued_tokens={
+            LengthClass.SHORT: queued_short * 150,
+            LengthClass.LONG: queued_long * 3000,
+        },
+        queued_requests={LengthClass.SHORT: queued_short, LengthClass.LONG: queued_long},
+        running=running,
+        prefix_digest=frozenset(rng.randrange(512) for _ in range(32)),
+        link_bandwidth_bytes_per_s=rng.choice((12.5e9, 25e9)),
+        kv_bytes_per_token=131072,
+    )
+
+
+def make_view(rng: random.Random, num_workers: int) -> ClusterView:
+    roles = [Role.PREFILL if i % 2 == 0 else Role.DECODE for i in range(num_workers)]
+    workers = tuple(make_worker(rng, i, role, 64) for i, role in enumerate(roles))
+    lens = tuple(int(v) for v in np.random.default_rng(1).lognormal(5.0, 1.0, 200))
+    return ClusterView(workers=workers, recent_output_lens=lens)
+
+
+def make_requests(rng: random.Random, count: int) -> list[RequestProfile]:
+    out = []
+    for i in range(count):
+        prompt = min(16000, int(rng.lognormvariate(6.0, 1.2)) + 1)
+        hashes = tuple(rng.randrange(512) for _ in range(min(prompt // 16, 8)))
+        out.append(
+            RequestProfile(
+                request_id=f"r{i}",
+                num_prompt_tokens=prompt,
+                num_new_tokens=prompt,
+                max_tokens=rng.choice((256, 1024)),
+                priority=Priority.BATCH if rng.random() < 0.2 else Priority.INTERACTIVE,
+                prefix_hashes=hashes,
+            )
+        )
+    return out
+
+
+def perturb(rng: random.Random, view: ClusterView) -> ClusterView:
+    """One worker reports: a new snapshot with a slightly different free-block count."""
+    workers = list(view.workers)
+    i = rng.randrange(len(workers))
+    w = workers[i]
+    free = max(0, min(w.num_total_blocks, w.num_free_blocks + rng.randint(-4, 4)))
+    workers[i] = dataclasses.replace(w, num_free_blocks=free)
+    return ClusterView(workers=tuple(workers), recent_output_lens=view.recent_output_lens)
+
+
+def time_policy(
+    name: str, view: ClusterView, requests: list[RequestProfile], mutate: bool, seed: int
+) -> tuple[float, float]:
+    policy = make_policy(name)
+    rng = random.Random(seed)
+    policy.plan(requests[0], view, 0.0)  # builds the per-snapshot caches
+    views = [perturb(rng, view) if mutate else view for _ in requests]
+    clock: Callable[[], int] = time.perf_counter_ns
+    times_ns = np.empty(len(requests))
+    for k, (request, v) in enumerate(zip(requests, views)):
+        start = clock()
+        policy.plan(request, v, 0.0)
+        times_ns[k] = clock() - start
+    p50, p99 = np.percentile(times_ns / 1e3, [50, 99])
+    return float(p50), float(p99)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workers", type=int, nargs="*", default=[8, 64, 1024])
+    parser.add_argument("--decisions", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    policies = [BASELINE] + [p for p in available_policies() if p != BASELINE]
+    failed = False
+    for num_workers in args.workers:
+        rng = random.Random(args.seed)
+        view = make_view(rng, num_workers)
+        requests = make_requests(rng, args.decisions)
+        for scenario, mutate in (("steady", False), ("one_changed", True)):
+            baseline_p99 = None
+            for name in policies:
+                p50, p99 = time_policy(name, view, requests, mutate, args.seed)
+                baseline_p99 = baseline_p99 or p99
+                row = {
+                    "policy": name,
+                    "workers": num_workers,
+                    "scenario": scenario,
+                    "p50_us": round(p50, 1),
+                    "p99_us": round(p99, 1),
+                    "baseline": BASELINE,
+                    "p99_vs_baseline": round(p99 / baseline_p99, 2),
+                }
+                target = TARGETS_P99_US.get(num_workers)
+                if name == "slo_goodput" and target is not None:
+                    row["target_p99_us"] = target
+                    row["meets_target"] = p99 < target
+                    failed |= p99 >= target
+                print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""How long prefill, a decode step, an encode and a KV transfer take, per worker.
+
+Functional forms (DistServe's):
+
+* prefill of ``n`` new tokens: ``a + b·n + c·n²`` seconds;
+* one decode step of batch ``B`` with total context ``ΣL``: ``a + b·B + c·ΣL`` seconds;
+* a transfer of ``bytes``: ``bytes / bandwidth + latency`` seconds;
+* an encode of ``m`` image tokens: ``a + b·m`` seconds (optional).
+
+A ``CostModel`` is seeded from a ``Profile`` and refitted online from the
+``StepSample`` telemetry of its worker by weighted least squares over a rolling
+window (newer steps weigh more, the profile acts as a ridge prior so a model
+with few samples stays near its seed). It tracks its own prediction error
+(rolling mean absolute relative error) so that predictions carry it.
+
+Profile JSON format (``loadgen/profiles/*.json``; all times in seconds)::
+
+    {
+      "model": "Qwen/Qwen2.5-7B-Instruct",
+      "hardware": "1x H100 80GB",
+      "prefill": {"a": 0.012, "b": 6.0e-5, "c": 1.0e-9},      # a + b n + c n²
+      "decode": {"a": 0.008, "b": 5.0e-5, "c": 2.0e-8},       # a + b B + c ΣL
+      "transfer": {"bandwidth_bytes_per_s": 2.5e10, "latency_s": 0.0005},
+      "kv_bytes_per_token": 57344,
+      "num_kv_blocks": 20000,
+      "block_size": 16,
+      "max_num_seqs": 256,
+      "sources": ["how each number was obtained", "..."],
+      "encode": {"a": 0.0, "b": 0.0}                          # optional: a + b·image tokens
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from router.types import StepSample
+
+__all__ = [
+    "DEFAULT_PROFILE",
+    "CostModel",
+    "EncodeCoeffs",
+    "Prediction",
+    "Profile",
+    "QuadCoeffs",
+    "TransferCoeffs",
+    "load_profile",
+    "prefill_knee_tokens",
+    "save_profile",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class QuadCoeffs:
+    """Three coefficients ``a, b, c``; the meaning of the terms depends on the curve."""
+
+    a: float
+    b: float
+    c: float
+
+
+@dataclass(frozen=True, slots=True)
+class TransferCoeffs:
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeCoeffs:
+    a: float = 0.0
+    b: float = 0.0  # seconds per image token
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    model: str
+    hardware: str
+    prefill: QuadCoeffs
+    decode: QuadCoeffs
+    transfer: TransferCoeffs
+    kv_bytes_per_token: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    sources: tuple[str, ...] = ()
+    encode: EncodeCoeffs = EncodeCoeffs()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        try:
+            return cls(
+                model=str(data["model"]),
+                hardware=str(data["hardware"]),
+                prefill=QuadCoeffs(**{k: float(data["prefill"][k]) for k in "abc"}),
+                decode=QuadCoeffs(**{k: float(data["decode"][k]) for k in "abc"}),
+                transfer=TransferCoeffs(
+                    bandwidth_bytes_per_s=float(data["transfer"]["bandwidth_bytes_per_s"]),
+                    latency_s=float(data["transfer"]["latency_s"]),
+                ),
+                kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+                num_kv_blocks=int(data["num_kv_blocks"]),
+                block_size=int(data["block_size"]),
+                max_num_seqs=int(data["max_num_seqs"]),
+                sources=tuple(str(s) for s in data.get("sources", ())),
+                encode=EncodeCoeffs(**{k: float(v) for k, v in data.get("encode", {}).items()}),
+            )
+        except KeyError as exc:
+            raise ValueError(f"profile is missing field {exc.args[0]!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "hardware": self.hardware,
+            "prefill": {"a": self.prefill.a, "b": self.prefill.b, "c": self.prefill.c},
+            "decode": {"a": self.decode.a, "b": self.decode.b, "c": self.decode.c},
+            "transfer": {
+                "bandwidth_bytes_per_s": self.transfer.bandwidth_bytes_per_s,
+                "latency_s": self.transfer.latency_s,
+            },
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "num_kv_blocks": self.num_kv_blocks,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "sources": list(self.sources),
+            "encode": {"a": self.encode.a, "b": self.encode.b},
+        }
+
+
+def load_profile(path: str | Path) -> Profile:
+    return Profile.from_dict(json.loads(Path(path).read_text()))
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+
+
+# Used when no profile is configured. Prefill and decode follow DistServe's fitted
+# OPT-13B on one A100 (time_estimator.py), converted from ms to s; KV size is OPT-13B's.
+DEFAULT_PROFILE = Profile(
+    model="facebook/opt-13b",
+    hardware="1x A100 80GB",
+    prefill=QuadCoeffs(a=0.0181, b=1.02e-4, c=7.1e-9),
+    decode=QuadCoeffs(a=0.0124, b=1.0e-4, c=1.5e-7),
+    transfer=TransferCoeffs(bandwidth_bytes_per_s=3.125e9, latency_s=0.001),
+    kv_bytes_per_token=819200,
+    num_kv_blocks=2500,
+    block_size=16,
+    max_num_seqs=256,
+    sources=(
+        "prefill/decode: DistServe simdistserve/estimators/time_estimator.py, OPT-13B TP1 A100",
+        "transfer: 25 Gbit/s between nodes (DistServe testbed)",
+        "kv_bytes_per_token: 40 layers x 2 x 5120 x fp16",
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A predicted duration and the model's recent mean absolute relative error."""
+
+    value_s: float
+    rel_error: float
+
+    @property
+    def upper_s(self) -> float:
+        return self.value_s * (1.0 + self.rel_error)
+
+
+class _RollingMean:
+    """Mean of the last ``size`` values in O(1)."""
+
+    def __init__(self, size: int) -> None:
+        self._values: deque[float] = deque(maxlen=size)
+        self._total = 0.0
+
+    def add(self, value: float) -> None:
+        if len(self._values) == self._values.maxlen:
+            self._total -= self._values[0]
+        self._values.append(value)
+        self._total += value
+
+    @property
+    def mean(self) -> float:
+        return self._total / len(self._values) if self._values else 0.0
+
+
+# Features of one step: [1{n>0}, n, n², 1{B>0}, B, ΣL]; coefficients
+# [prefill a, b, c, decode a, b, c]. Pure prefill steps and pure decode steps decouple
+# into the two curves; a mixed step is modelled as the sum of both.
+_NUM_FEATURES = 6
+
+
+def _features(n: float, num_seqs: float, context: float) -> list[float]:
+    return [float(n > 0), n, n * n, float(num_seqs > 0), num_seqs, context]
+
+
+@dataclass
+class CostModel:
+    """One worker's cost model; ``observe`` feeds it, the getters read the fitted curves.
+
+    ``window`` steps are kept; a step ``k`` steps old weighs ``decay**k``. The
+    profile is a ridge prior worth ``prior_weight`` steps at the reference point
+    (``ref_tokens`` prefill tokens, ``ref_seqs`` sequences, ``ref_context`` tokens).
+    """
+
+    profile: Profile
+    window: int = 256
+    decay: float = 0.995
+    prior_weight: float = 1.0
+    refit_every: int = 8
+    error_window: int = 64
+    ref_tokens: float = 512.0
+    ref_seqs: float = 32.0
+    ref_context: float = 32.0 * 1024.0
+    _x: deque[list[float]] = field(init=False, repr=False)
+    _y: deque[float] = field(init=False, repr=False)
+    _theta: np.ndarray = field(init=False, repr=False)
+    _theta0: np.ndarray = field(init=False, repr=False)
+    _since_fit: int = field(default=0, init=False, repr=False)
+    _prefill_err: _RollingMean = field(init=False, repr=False)
+    _decode_err: _RollingMean = field(init=False, repr=False)
+    num_samples: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        p, d = self.profile.prefill, self.profile.decode
+        self._theta0 = np.array([p.a, p.b, p.c, d.a, d.b, d.c], dtype=np.float64)
+        self._theta = self._theta0.copy()
+        self._x = deque(maxlen=self.window)
+        self._y = deque(maxlen=self.window)
+        self._prefill_err = _RollingMean(self.error_window)
+        self._decode_err = _RollingMean(self.error_window)
+
+    # -- feeding -----------------------------------------------------------------------
+
+    def observe(self, sample: StepSample) -> None:
+        if sample.duration_s <= 0 or (
+            sample.num_prefill_tokens <= 0 and sample.num_decode_seqs <= 0
+        ):
+            return
+        x = _features(
+            sample.num_prefill_tokens, sample.num_decode_seqs, sample.total_context_tokens
+        )
+        predicted = float(np.dot(self._theta, x))
+        rel_error = abs(predicted - sample.duration_s) / sample.duration_s
+        if sample.num_prefill_tokens > 0:
+            self._prefill_err.add(rel_error)
+        else:
+            self._decode_err.add(rel_error)
+        self._x.append(x)
+        self._y.append(sample.duration_s)
+        self.num_samples += 1
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self.refit()
+
+    def refit(self) -> None:
+        """Weighted ridge least squares toward the profile over the window."""
+        self._since_fit = 0
+        if not self._y:
+            return
+        x = np.asarray(self._x, dtype=np.float64)
+        y = np.asarray(self._y, dtype=np.float64)
+        weights = self.decay ** np.arange(len(y) - 1, -1, -1, dtype=np.float64)
+        xw = x * weights[:, None]
+        ref = np.array(
+            [1.0, self.ref_tokens, self.ref_tokens**2, 1.0, self.ref_seqs, self.ref_context]
+        )
+        # Solve in columns scaled to the reference point so the system is well conditioned.
+        prior = self.prior_weight * np.ones(_NUM_FEATURES)
+        gram = (xw.T @ x) / np.outer(ref, ref) + np.diag(prior)
+        rhs = (xw.T @ y) / ref + prior * (self._theta0 * ref)
+        scaled = np.linalg.solve(gram, rhs)
+        self._theta = scaled / ref
+
+    # -- reading -----------------------------------------------------------------------
+
+    @property
+    def prefill_coeffs(self) -> QuadCoeffs:
+        return QuadCoeffs(*(float(v) for v in self._theta[:3]))
+
+    @property
+    def decode_coeffs(self) -> QuadCoeffs:
+        return QuadCoeffs(*(float(v) for v in self._theta[3:]))
+
+    @property
+    def prefill_error(self) -> float:
+        """Rolling mean absolute relative error of predicted steps that prefilled."""
+        return self._prefill_err.mean
+
+    @property
+    def decode_error(self) -> float:
+        """Rolling mean absolute relative error of predicted decode-only steps."""
+        return self._decode_err.mean
+
+    def prefill_s(self, num_tokens: float) -> float:
+        a, b, c = self._theta[:3]
+        return float(a + num_tokens * (b + num_tokens * c)) if num_tokens > 0 else 0.0
+
+    def decode_step_s(self, num_seqs: float, context_tokens: float) -> float:
+        a, b, c = self._theta[3:]
+        return float(a + b * num_seqs + c * context_tokens) if num_seqs > 0 else 0.0
+
+    def transfer_s(self, num_bytes: float, bandwidth_bytes_per_s: float | None = None) -> float:
+        link = self.profile.transfer
+        bandwidth = bandwidth_bytes_per_s or link.bandwidth_bytes_per_s
+        return num_bytes / bandwidth + link.latency_s if num_bytes > 0 else 0.0
+
+    def encode_s(self, num_image_tokens: float) -> float:
+        enc = self.profile.encode
+        return enc.a + enc.b * num_image_tokens if num_image_tokens > 0 else 0.0
+
+    def predict_prefill(self, num_tokens: float) -> Prediction:
+        return Prediction(self.prefill_s(num_tokens), self.prefill_error)
+
+    def predict_decode_step(self, num_seqs: float, context_tokens: float) -> Prediction:
+        return Prediction(self.decode_step_s(num_seqs, context_tokens), self.decode_error)
+
+
+def prefill_knee_tokens(coeffs: QuadCoeffs, fixed_multiple: float = 1.0) -> float:
+    """Smallest ``n`` where the token-dependent time ``b·n + c·n²`` reaches
+    ``fixed_multiple × a``: below it a prefill costs about its fixed overhead
+    (the curve is flat in ``n``), above it time grows with the prompt."""
+    target = fixed_multiple * max(coeffs.a, 0.0)
+    if coeffs.c > 0:
+        return (-coeffs.b + math.sqrt(coeffs.b**2 + 4 * coeffs.c * target)) / (2 * coeffs.c)
+    if coeffs.b > 0:
+        return target / coeffs.b
+    return math.inf

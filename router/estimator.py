@@ -1,0 +1,311 @@
+"""The past-future estimator (after LightLLM): will a decode worker run out of KV memory?
+
+For running requests ``i`` holding ``c_i`` KV tokens, having generated ``g_i`` of at
+most ``M_i`` tokens:
+
+1. ``H`` is a window of the output lengths of recently finished requests, seeded
+   with a pessimistic prior that washes out as real lengths arrive.
+2. Each request's final length ``L̂_i`` is drawn from ``H`` conditioned on
+   ``L > g_i`` by inverse-CDF sampling with linear interpolation between the
+   sorted conditional entries (one entry: that entry), capped by ``M_i``. A
+   request that has outrun all of ``H`` is drawn uniformly between ``g_i`` and
+   ``M_i``: nothing but its cap bounds it. Its remaining length is
+   ``r_i = max(0, L̂_i − g_i − 1)``.
+3. With ``r`` sorted descending, the peak future KV is
+   ``max_k (k·r_(k) + Σ_{j≤k} c_(j))``: at step ``t = r_(k)`` exactly the ``k``
+   longest-remaining requests are alive, each grown by ``t``; between finish
+   events memory grows linearly, so the finish points are the only candidates.
+4. ``S`` independent draws; the estimate is the largest peak (a cheap upper
+   quantile).
+
+A candidate is admitted only if the peak with it added stays under
+``fraction × capacity`` (minus KV held by anything that is not a running
+request). A candidate is a request with ``g = 0`` holding its prompt.
+
+``PastFutureAdmission`` is this rule shaped as the engine's ``AdmissionPolicy``
+(``services/backends/protocol.py``), matched structurally. ``PeakTable`` keeps one
+worker's sorted draws so the router can price many candidates against it in
+O(S·n) without redrawing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+__all__ = [
+    "OutputLengthHistory",
+    "PastFutureAdmission",
+    "PastFutureEstimator",
+    "PeakTable",
+    "RunningLike",
+    "peak_per_draw",
+    "remaining_tokens",
+    "sample_output_lengths",
+]
+
+
+class RunningLike(Protocol):
+    """Anything shaped like a running request (router's RunningRequest, engine's stats)."""
+
+    @property
+    def num_tokens_held(self) -> int: ...
+
+    @property
+    def num_generated(self) -> int: ...
+
+    @property
+    def max_tokens(self) -> int: ...
+
+
+class OutputLengthHistory:
+    """``H``: the last ``window`` finished output lengths, seeded with ``num_prior``
+    copies of ``prior_output_len``; the prior is pushed out by real lengths."""
+
+    def __init__(
+        self,
+        prior_output_len: int,
+        window: int = 200,
+        num_prior: int = 100,
+        lengths: Iterable[int] = (),
+    ) -> None:
+        if window < 1 or not 0 <= num_prior <= window:
+            raise ValueError("need window >= 1 and 0 <= num_prior <= window")
+        self._lengths: deque[int] = deque([int(prior_output_len)] * num_prior, maxlen=window)
+        self._lengths.extend(int(v) for v in lengths)
+        self._sorted: np.ndarray | None = None
+        self.version = 0
+
+    def observe(self, output_len: int) -> None:
+        self._lengths.append(int(output_len))
+        self._sorted = None
+        self.version += 1
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def sorted_lengths(self) -> np.ndarray:
+        if self._sorted is None:
+            self._sorted = np.sort(np.fromiter(self._lengths, dtype=np.float64))
+        return self._sorted
+
+
+def sample_output_lengths(
+    sorted_lengths: np.ndarray,
+    num_generated: np.ndarray,
+    max_tokens: np.ndarray,
+    u: np.ndarray,
+) -> np.ndarray:
+    """``L̂`` for each draw and request: ``u`` has shape (S, n) with values in [0, 1)."""
+    g = num_generated.astype(np.float64)
+    cap = np.maximum(max_tokens.astype(np.float64), g)
+    tail = g + u * (cap - g)  # outran all of H: only the cap bounds it
+    m = len(sorted_lengths)
+    if m == 0:
+        return tail
+    lo = np.searchsorted(sorted_lengths, g, side="right")  # first entry longer than g
+    count = m - lo
+    pos = lo + u * np.maximum(count - 1, 0)
+    j = np.minimum(pos.astype(np.intp), m - 1)
+    j1 = np.minimum(j + 1, m - 1)
+    left = sorted_lengths[j]
+    drawn = left + (pos - j) * (sorted_lengths[j1] - left)
+    return np.minimum(np.where(count > 0, drawn, tail), cap)
+
+
+def remaining_tokens(
+    sorted_lengths: np.ndarray,
+    num_generated: np.ndarray,
+    max_tokens: np.ndarray,
+    u: np.ndarray,
+) -> np.ndarray:
+    """``r = max(0, L̂ − g − 1)`` for each draw and request."""
+    drawn = sample_output_lengths(sorted_lengths, num_generated, max_tokens, u)
+    return np.maximum(drawn - num_generated - 1.0, 0.0)
+
+
+def peak_per_draw(remaining: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """``max_k (k·r_(k) + Σ_{j≤k} c_(j))`` for each row of ``remaining`` (S, n)."""
+    num_draws, n = remaining.shape
+    if n == 0:
+        return np.zeros(num_draws)
+    order = np.argsort(-remaining, axis=1, kind="stable")
+    r = np.take_along_axis(remaining, order, axis=1)
+    c = np.asarray(held, dtype=np.float64)[order]
+    terms = np.arange(1, n + 1) * r + np.cumsum(c, axis=1)
+    peaks: np.ndarray = terms.max(axis=1)
+    return peaks
+
+
+class PeakTable:
+    """One worker's draws, sorted, with the prefix/suffix maxima that price a
+    candidate ``(c_q, r_q)`` exactly: inserting it at position ``p`` leaves terms
+    before ``p`` alone, adds ``r_k + c_q`` to each term after, and adds its own term
+    ``(p+1)·r_q + C_p + c_q``."""
+
+    __slots__ = (
+        "_c",
+        "_cprefix",
+        "_prefmax",
+        "_r",
+        "_sufmax",
+        "_terms",
+        "num_running",
+        "peak_tokens",
+        "peaks",
+    )
+
+    def __init__(self, remaining: np.ndarray, held: np.ndarray) -> None:
+        num_draws, n = remaining.shape
+        self.num_running = n
+        order = np.argsort(-remaining, axis=1, kind="stable")
+        self._r = np.take_along_axis(remaining, order, axis=1)
+        self._c = np.cumsum(np.asarray(held, dtype=np.float64)[order], axis=1)
+        self._terms = np.arange(1, n + 1) * self._r + self._c
+        self.peaks: np.ndarray = self._terms.max(axis=1) if n else np.zeros(num_draws)
+        self.peak_tokens = float(self.peaks.max())
+        # Built on the first ``peak_with``: most tables are only read for their peak.
+        self._cprefix: np.ndarray | None = None
+        self._prefmax: np.ndarray | None = None
+        self._sufmax: np.ndarray | None = None
+
+    def _prepare(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._cprefix is None or self._prefmax is None or self._sufmax is None:
+            num_draws = self._r.shape[0]
+            cprefix = np.concatenate([np.zeros((num_draws, 1)), self._c], axis=1)
+            prefmax = np.maximum.accumulate(self._terms, axis=1)
+            grown = (self._terms + self._r)[:, ::-1]
+            suffix = np.maximum.accumulate(grown, axis=1)[:, ::-1]
+            sufmax = np.concatenate([suffix, np.full((num_draws, 1), -np.inf)], axis=1)
+            self._cprefix, self._prefmax, self._sufmax = cprefix, prefmax, sufmax
+            return cprefix, prefmax, sufmax
+        return self._cprefix, self._prefmax, self._sufmax
+
+    def peak_with(self, held_tokens: float, remaining: np.ndarray) -> float:
+        """The estimate with a candidate holding ``held_tokens`` and ``remaining[s]``
+        tokens to go in draw ``s`` (its length must be at least the table's S)."""
+        num_draws = self._r.shape[0]
+        r_q = remaining[:num_draws]
+        if self.num_running == 0:
+            return float((r_q + held_tokens).max())
+        cprefix, prefmax, sufmax = self._prepare()
+        ahead = (self._r >= r_q[:, None]).sum(axis=1)  # old requests before the candidate
+        rows = np.arange(num_draws)
+        before = np.where(ahead > 0, prefmax[rows, np.maximum(ahead - 1, 0)], -np.inf)
+        own = (ahead + 1) * r_q + cprefix[rows, ahead] + held_tokens
+        after = sufmax[rows, ahead] + held_tokens
+        return float(np.maximum(np.maximum(before, own), after).max())
+
+
+def _arrays(running: Sequence[RunningLike]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = len(running)
+    held = np.fromiter((r.num_tokens_held for r in running), dtype=np.float64, count=n)
+    gen = np.fromiter((r.num_generated for r in running), dtype=np.float64, count=n)
+    cap = np.fromiter((r.max_tokens for r in running), dtype=np.float64, count=n)
+    return held, gen, cap
+
+
+class PastFutureEstimator:
+    """Peak future KV tokens of a set of running requests, with and without a candidate."""
+
+    def __init__(
+        self,
+        history: OutputLengthHistory,
+        rng: np.random.Generator,
+        num_draws: int = 5,
+        fraction: float = 0.95,
+    ) -> None:
+        if num_draws < 1 or not 0 < fraction <= 1:
+            raise ValueError("need num_draws >= 1 and 0 < fraction <= 1")
+        self.history = history
+        self.rng = rng
+        self.num_draws = num_draws
+        self.fraction = fraction
+
+    def table(self, running: Sequence[RunningLike]) -> PeakTable:
+        held, gen, cap = _arrays(running)
+        u = self.rng.random((self.num_draws, len(running)))
+        r = remaining_tokens(self.history.sorted_lengths(), gen, cap, u)
+        return PeakTable(r, held)
+
+    def candidate_remaining(self, max_tokens: int) -> np.ndarray:
+        """``r_q`` for each draw of a request that has generated nothing yet."""
+        u = self.rng.random((self.num_draws, 1))
+        zero = np.zeros(1)
+        cap = np.array([float(max_tokens)])
+        return remaining_tokens(self.history.sorted_lengths(), zero, cap, u)[:, 0]
+
+    def peak(self, running: Sequence[RunningLike]) -> float:
+        return self.table(running).peak_tokens
+
+    def peak_with(
+        self, running: Sequence[RunningLike], num_prompt_tokens: int, max_tokens: int
+    ) -> float:
+        """Draws for ``running`` first, then the candidate's: with the same seed the
+        running requests' draws equal those of ``peak(running)``."""
+        table = self.table(running)
+        return table.peak_with(float(num_prompt_tokens), self.candidate_remaining(max_tokens))
+
+    def admit(
+        self,
+        running: Sequence[RunningLike],
+        num_prompt_tokens: int,
+        max_tokens: int,
+        capacity_tokens: float,
+        other_tokens: float = 0.0,
+    ) -> bool:
+        limit = self.fraction * capacity_tokens - other_tokens
+        return self.peak_with(running, num_prompt_tokens, max_tokens) < limit
+
+
+class PastFutureAdmission:
+    """The estimator as the engine's admission rule (``AdmissionPolicy``, structurally).
+
+    KV held by blocks that belong to no running request (held prefills, cached
+    prefixes) is subtracted from the budget. ``record_exhaustion`` is called by the
+    engine when memory ran out anyway (a misprediction).
+    """
+
+    def __init__(
+        self,
+        prior_output_len: int,
+        fraction: float = 0.95,
+        num_draws: int = 5,
+        window: int = 200,
+        num_prior: int = 100,
+        seed: int = 0,
+    ) -> None:
+        self.history = OutputLengthHistory(prior_output_len, window=window, num_prior=num_prior)
+        self.estimator = PastFutureEstimator(
+            self.history, np.random.default_rng(seed), num_draws=num_draws, fraction=fraction
+        )
+        self.num_mispredictions = 0
+        self.last_peak_tokens = 0.0  # the most recent estimate, for metrics
+
+    def can_admit(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        running: Sequence[RunningLike],
+        num_free_blocks: int,
+        num_total_blocks: int,
+        block_size: int,
+    ) -> bool:
+        if math.ceil((num_prompt_tokens + 1) / block_size) > num_free_blocks:
+            return False
+        held = sum(r.num_tokens_held for r in running)
+        used_tokens = (num_total_blocks - num_free_blocks) * block_size
+        other_tokens = max(0, used_tokens - held)
+        self.last_peak_tokens = self.estimator.peak_with(running, num_prompt_tokens, max_tokens)
+        limit = self.estimator.fraction * num_total_blocks * block_size - other_tokens
+        return self.last_peak_tokens < limit
+
+    def observe_finished(self, output_len: int) -> None:
+        self.history.observe(output_len)
+
+    def record_exhaustion(self) -> None:
+        self.num_mispredictions += 1

@@ -1,0 +1,129 @@
+"""Length classes (after LAPS): keep long prefills from holding up short ones.
+
+A request's *effective prefill length* is its prompt tokens plus image tokens
+minus the predicted prefix-cache hit. Below the threshold θ it is SHORT, else
+LONG.
+
+θ starts at the *knee* of the prefill curve ``a + b·n + c·n²``: the smallest
+``n`` at which the token-dependent time ``b·n + c·n²`` equals the fixed overhead
+``a`` (``cost_model.prefill_knee_tokens``), i.e. where a prefill stops costing
+about the same whatever its length. It then adapts to the traffic by bounded
+quantile tracking: θ follows the ``quantile`` (default 0.8) of recent effective
+lengths by a multiplicative stochastic-approximation step, clamped to
+``[knee / bound, knee × bound]`` so that it stays anchored to the hardware
+while the few longest requests are always the ones set apart.
+
+Two ways to separate the classes (``SplitMode``):
+
+* ``temporal``: every prefill worker keeps two queues and serves SHORT first; a
+  short request waits only for queued short work, a long one for both queues.
+* ``spatial``: the prefill pool is split; ``long_fraction`` of the prefill
+  workers (by sorted id) take LONG requests, the rest SHORT ones, each FCFS.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+
+from router.cost_model import QuadCoeffs, prefill_knee_tokens
+from router.types import LengthClass, RequestProfile
+
+__all__ = [
+    "LengthClassifier",
+    "SplitMode",
+    "effective_prefill_tokens",
+    "long_pool",
+    "queue_wait_s",
+]
+
+
+class SplitMode(enum.StrEnum):
+    TEMPORAL = "temporal"
+    SPATIAL = "spatial"
+
+
+def effective_prefill_tokens(profile: RequestProfile, hit_tokens: int | None = None) -> int:
+    """Prompt + image tokens − prefix hit (``None``: the gateway's predicted hit)."""
+    if hit_tokens is None:
+        return profile.num_new_tokens + profile.num_image_tokens
+    total = profile.num_prompt_tokens + profile.num_image_tokens
+    return max(1, total - hit_tokens)
+
+
+class LengthClassifier:
+    """θ and the SHORT/LONG decision; ``observe`` adapts θ unless it was fixed."""
+
+    def __init__(
+        self,
+        prefill: QuadCoeffs,
+        threshold_tokens: int | None = None,
+        quantile: float = 0.8,
+        step: float = 0.05,
+        bound: float = 4.0,
+        min_tokens: float = 16.0,
+        max_tokens: float = 65536.0,
+    ) -> None:
+        if not 0 < quantile < 1 or step <= 0 or bound < 1:
+            raise ValueError("need 0 < quantile < 1, step > 0, bound >= 1")
+        knee = min(max(prefill_knee_tokens(prefill), min_tokens), max_tokens)
+        self.knee_tokens = knee
+        self.adaptive = threshold_tokens is None
+        self._theta = float(threshold_tokens) if threshold_tokens is not None else knee
+        self._lo = knee / bound
+        self._hi = knee * bound
+        self._quantile = quantile
+        self._step = step
+
+    @property
+    def threshold_tokens(self) -> float:
+        return self._theta
+
+    def classify(self, num_tokens: float) -> LengthClass:
+        return LengthClass.SHORT if num_tokens < self._theta else LengthClass.LONG
+
+    def observe(self, num_tokens: float) -> None:
+        """Move θ toward the tracked quantile: at equilibrium P(n < θ) = quantile."""
+        if not self.adaptive:
+            return
+        above = 1.0 if num_tokens >= self._theta else 0.0
+        theta = self._theta * math.exp(self._step * (above - (1.0 - self._quantile)))
+        self._theta = min(max(theta, self._lo), self._hi)
+
+
+def queue_wait_s(
+    coeffs: QuadCoeffs,
+    queued_tokens: Mapping[LengthClass, int],
+    queued_requests: Mapping[LengthClass, int],
+    length_class: LengthClass,
+    mode: SplitMode,
+) -> float:
+    """Predicted time before a new request of ``length_class`` starts prefilling.
+
+    Queued work is priced per class as ``k·a + b·T + c·T²/k`` for ``k`` requests of
+    ``T`` tokens in all (the quadratic term as if equally long)."""
+    classes: Sequence[LengthClass]
+    if mode is SplitMode.TEMPORAL and length_class is LengthClass.SHORT:
+        classes = (LengthClass.SHORT,)
+    else:
+        classes = (LengthClass.SHORT, LengthClass.LONG)
+    wait_s = 0.0
+    for cls in classes:
+        tokens = queued_tokens.get(cls, 0)
+        if tokens <= 0:
+            continue
+        count = max(queued_requests.get(cls, 1), 1)
+        wait_s += count * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
+    return wait_s
+
+
+def long_pool(prefill_worker_ids: Sequence[str], long_fraction: float) -> frozenset[str]:
+    """Spatial split: the prefill workers (by sorted id) that take LONG requests.
+
+    At least one worker serves each class when there are two or more."""
+    ids = sorted(prefill_worker_ids)
+    if len(ids) < 2:
+        return frozenset(ids)
+    num_long = min(max(round(long_fraction * len(ids)), 1), len(ids) - 1)
+    return frozenset(ids[-num_long:])

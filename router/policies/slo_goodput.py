@@ -1,0 +1,327 @@
+"""``slo_goodput`` (the default): place each request where it meets TTFT and TPOT at least cost.
+
+For a request of effective prefill length ``n`` (per worker: its own prefix hit):
+
+1. *Prefill side*, every prefill worker ``P``:
+   ``TTFT_P = wait(class of n) + prefill(n) + encode`` and, disaggregated, plus
+   ``transfer = n_total·kv_bytes_per_token / min(bandwidth_P, bandwidth_D) + latency``.
+   The prefill worker of a disaggregated plan is the one with the least
+   ``TTFT_P + n_total·kv_bytes_per_token / bandwidth_P``.
+2. *Decode side*, every decode worker ``D``: room for one more sequence, the
+   decode step with the request added within TPOT, the pair's TTFT within what
+   is left of the TTFT target, and the past-future peak with the request
+   added under the memory limit. Among the feasible, the FULLEST (highest
+   estimated peak / limit) wins, so that idle workers can be released.
+3. *Colocated*, every worker whose role is in ``colocate_roles``: the same
+   checks with no transfer; its cost is its TTFT plus ``stall_weight ×
+   running requests × prefill(n)`` (the decode steps its prefill delays). A
+   disaggregated plan costs its TTFT. The cheaper feasible plan wins; when the
+   transfer breaks TTFT only the colocated one is feasible.
+4. Nothing feasible: an interactive request whose TTFT target is still
+   reachable and which has waited less than ``max_hold_s`` is held
+   (``Reject(hold=True)``); otherwise it is rejected with a ``Retry-After``.
+
+Batch requests are shed first: they must fit under ``batch_memory_fraction``
+of capacity (lower than interactive's ``memory_fraction``) and within
+``batch_slo_headroom`` of each target, and they are never held.
+
+Predictions include each worker's recent model error as a margin. The memory
+check first uses bounds (the peak with the candidate lies between the peak
+without it and that plus ``c_q + max r_q``) and prices exactly only workers in
+between, fullest first, at most ``max_exact_checks`` of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, load_profile
+from router.estimator import OutputLengthHistory, sample_output_lengths
+from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
+from router.policy import register_policy
+from router.types import (
+    SLO,
+    ClusterView,
+    Plan,
+    Priority,
+    Reject,
+    RequestProfile,
+    Role,
+    StepSample,
+)
+from router.worker_table import TableSettings, WorkerTable
+
+__all__ = ["SloGoodput"]
+
+_CANDIDATE_RING = 64  # pre-drawn candidate lengths, reused cyclically
+_DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
+
+
+@register_policy("slo_goodput")
+@dataclass
+class SloGoodput:
+    name: str = "slo_goodput"
+    profile: Profile | str | None = None  # a Profile, a profile JSON path, or the default
+    default_slo: SLO = _DEFAULT_SLO
+    split_mode: str = "temporal"
+    length_threshold_tokens: int | None = None
+    memory_fraction: float = 0.95
+    batch_memory_fraction: float = 0.8
+    batch_slo_headroom: float = 0.8
+    max_hold_s: float = 5.0
+    hold_retry_s: float = 0.05
+    min_retry_after_s: float = 1.0
+    colocate_roles: tuple[Role, ...] = (Role.MIXED, Role.DECODE)
+    stall_weight: float = 1.0
+    spatial_long_fraction: float = 0.25
+    prior_output_len: int = 1024
+    history_window: int = 200
+    num_draws: int = 5
+    max_exact_checks: int = 8
+    use_error_margin: bool = True
+    seed: int = 0
+    _table: WorkerTable = field(init=False, repr=False)
+    _classifier: LengthClassifier = field(init=False, repr=False)
+    _models: dict[str, CostModel] = field(init=False, repr=False, default_factory=dict)
+    _profile: Profile = field(init=False, repr=False)
+    _history_source: tuple[int, ...] | None = field(init=False, repr=False, default=None)
+    _ring: np.ndarray = field(init=False, repr=False)
+    _ring_u: np.ndarray = field(init=False, repr=False)
+    _ring_next: int = field(init=False, repr=False, default=0)
+
+    def __post_init__(self) -> None:
+        match self.profile:
+            case Profile():
+                self._profile = self.profile
+            case str():
+                self._profile = load_profile(self.profile)
+            case None:
+                self._profile = DEFAULT_PROFILE
+        rng = np.random.default_rng(self.seed)
+        settings = TableSettings(
+            profile=self._profile,
+            split_mode=SplitMode(self.split_mode),
+            memory_fraction=self.memory_fraction,
+            batch_memory_fraction=self.batch_memory_fraction,
+            colocate_roles=tuple(self.colocate_roles),
+            spatial_long_fraction=self.spatial_long_fraction,
+            use_error_margin=self.use_error_margin,
+            num_draws=self.num_draws,
+            stall_weight=self.stall_weight,
+        )
+        self._table = WorkerTable(settings, self.cost_model, rng)
+        self._classifier = LengthClassifier(self._profile.prefill, self.length_threshold_tokens)
+        self._ring_u = rng.random((_CANDIDATE_RING, self.num_draws))
+        self._refresh_history(())
+
+    # -- feeding -----------------------------------------------------------------------
+
+    def cost_model(self, worker_id: str) -> CostModel:
+        model = self._models.get(worker_id)
+        if model is None:
+            model = self._models[worker_id] = CostModel(self._profile)
+        return model
+
+    def observe_step(self, worker_id: str, sample: StepSample) -> None:
+        """Feed a step directly (telemetry with ``end_s`` set is also read from the view)."""
+        self.cost_model(worker_id).observe(sample)
+
+    @property
+    def length_threshold(self) -> float:
+        return self._classifier.threshold_tokens
+
+    def _refresh_history(self, lengths: tuple[int, ...]) -> None:
+        self._history_source = lengths
+        recent = lengths[-self.history_window :]
+        history = OutputLengthHistory(
+            self.prior_output_len,
+            window=self.history_window,
+            num_prior=self.history_window // 2,
+            lengths=recent,
+        )
+        sorted_h = history.sorted_lengths()
+        self._table.sorted_history = sorted_h
+        # A new request has generated nothing: draw from all of H; the cap is applied per request.
+        zeros = np.zeros(self.num_draws)
+        uncapped = np.full(self.num_draws, float(sorted_h[-1]) + 1.0)
+        self._ring = np.stack(
+            [sample_output_lengths(sorted_h, zeros, uncapped, u) for u in self._ring_u]
+        )
+
+    # -- deciding ----------------------------------------------------------------------
+
+    def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan | Reject:
+        if view.recent_output_lens is not self._history_source:
+            self._refresh_history(view.recent_output_lens)
+        t = self._table
+        t.sync(view)
+        batch = profile.priority is Priority.BATCH
+        headroom = self.batch_slo_headroom if batch else 1.0
+        ttft_s = profile.slo.ttft_s or self.default_slo.ttft_s
+        tpot_s = profile.slo.tpot_s or self.default_slo.tpot_s
+        elapsed_s = max(0.0, now_s - profile.arrival_s)
+        budget_s = ttft_s * headroom - elapsed_s if ttft_s is not None else math.inf
+        tpot_limit_s = tpot_s * headroom if tpot_s is not None else math.inf
+
+        self._classifier.observe(effective_prefill_tokens(profile))
+        n = self._prefill_tokens(profile)
+        is_long = n >= self._classifier.threshold_tokens
+        prefill_s = t.pa + n * (t.pb + n * t.pc)
+        match is_long:
+            case np.ndarray():
+                wait_s = np.where(is_long, t.wait_long_s, t.wait_short_s)
+            case _:
+                wait_s = t.wait_long_s if is_long else t.wait_short_s
+        encode_s, encode_worker = self._encode(profile)
+        ttft_local = wait_s + prefill_s
+        if encode_s:
+            ttft_local += encode_s
+
+        # Decode-side checks shared by both kinds of plan: TPOT with the request added,
+        # memory bounds of the past-future peak (see ``_pick``).
+        held_q = float(profile.num_prompt_tokens + profile.num_image_tokens)
+        r_q = np.maximum(np.minimum(self._next_candidate(), profile.max_tokens) - 1.0, 0.0)
+        r_q_max = float(r_q.max())
+        tpot_pred = t.step_base_s + t.step_per_token_s * held_q
+        if batch:
+            room, slack, limit = t.batch_room_tokens, t.batch_slack_tokens, t.batch_limit_tokens
+            decode_ok, coloc_ok = t.batch_decode_ok, t.batch_coloc_ok
+        else:
+            room, slack, limit = t.room_tokens, t.slack_tokens, t.limit_tokens
+            decode_ok, coloc_ok = t.decode_ok, t.coloc_ok
+        decodable = (tpot_pred <= tpot_limit_s) & (held_q < room)
+        sure = held_q + r_q_max < slack
+
+        # Disaggregated: the best prefill worker, then the fullest feasible decode worker.
+        best: tuple[float, Plan] | None = None
+        score = ttft_local + t.transfer_s_per_token * held_q + self._prefill_penalty(t, is_long)
+        p = int(np.argmin(score))
+        if score[p] < np.inf:
+            kv_bytes = held_q * t.kv_bytes_per_token[p]
+            ttft_pair = ttft_local[p] + kv_bytes / np.minimum(t.bandwidth[p], t.bandwidth)
+            ttft_pair += self._profile.transfer.latency_s
+            ok = decode_ok & decodable & (ttft_pair <= budget_s)
+            d = self._pick(ok, sure, t.fullness, held_q, r_q, limit)
+            if d >= 0:
+                best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))
+
+        # Colocated: the same checks without a transfer, priced with the decodes it stalls.
+        ok = coloc_ok & decodable & (ttft_local <= budget_s)
+        if ok.any():
+            cost = ttft_local + t.stall_per_prefill_s * prefill_s
+            c = self._pick(ok, sure, -cost, held_q, r_q, limit)
+            if c >= 0 and (best is None or cost[c] < best[0]):
+                best = (float(cost[c]), self._make_plan(c, None, n, ttft_local[c], tpot_pred[c]))
+
+        if best is None:
+            feasible_decode = decodable & (decode_ok | coloc_ok)
+            return self._refuse(t, ttft_local, feasible_decode, budget_s, elapsed_s, batch)
+        plan = best[1]
+        return plan if encode_worker is None else replace(plan, encode_worker=encode_worker)
+
+    def _prefill_penalty(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray:
+        """0 on the prefill workers this request may use, inf elsewhere."""
+        if self.split_mode != SplitMode.SPATIAL:
+            return t.prefill_penalty
+        pool = np.where(t.in_long_pool == is_long, t.prefill_penalty, np.inf)
+        return pool if np.isfinite(pool).any() else t.prefill_penalty
+
+    def _prefill_tokens(self, profile: RequestProfile) -> np.ndarray | float:
+        """Effective prefill tokens: per worker from the prefix digests, else the gateway's."""
+        t = self._table
+        if not profile.prefix_hashes:
+            return float(max(1, effective_prefill_tokens(profile)))
+        matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
+        total = profile.num_prompt_tokens + profile.num_image_tokens
+        n = np.full(len(t.role), float(total))
+        for i, blocks in matched.items():
+            n[i] = max(1.0, total - blocks * t.block_size[i])
+        return n
+
+    def _encode(self, profile: RequestProfile) -> tuple[float, str | None]:
+        if profile.num_image_tokens <= 0:
+            return 0.0, None
+        t = self._table
+        mask = t.is_role(Role.ENCODE)
+        enc = self._profile.encode
+        own_s = enc.a + enc.b * profile.num_image_tokens
+        if not mask.any() or t.workers is None:
+            return own_s, None
+        e = int(np.argmin(np.where(mask, t.queued_tokens, np.inf)))
+        return own_s + enc.b * float(t.queued_tokens[e]), t.workers[e].worker_id
+
+    def _next_candidate(self) -> np.ndarray:
+        row: np.ndarray = self._ring[self._ring_next]
+        self._ring_next = (self._ring_next + 1) % _CANDIDATE_RING
+        return row
+
+    def _pick(
+        self,
+        ok: np.ndarray,
+        sure: np.ndarray,
+        preference: np.ndarray,
+        held_q: float,
+        r_q: np.ndarray,
+        limit: np.ndarray,
+    ) -> int:
+        """The most preferred ``ok`` worker whose peak with the candidate fits, or -1.
+
+        ``sure`` workers fit by the upper bound (peak + c_q + max r_q); the others
+        among ``ok`` already passed the lower bound and are priced exactly, most
+        preferred first, only where they beat the best sure one."""
+        best, best_pref = -1, -np.inf
+        fits = ok & sure
+        if fits.any():
+            best = int(np.argmax(np.where(fits, preference, -np.inf)))
+            best_pref = float(preference[best])
+        better = np.flatnonzero(ok & (preference > best_pref))
+        if better.size:
+            better = better[~sure[better]]
+            order = better[np.argsort(-preference[better], kind="stable")]
+            for i in order[: self.max_exact_checks]:
+                table = self._table.tables[i]
+                if table is not None and table.peak_with(held_q, r_q) < limit[i]:
+                    return int(i)
+        return best
+
+    def _make_plan(
+        self, p: int, d: int | None, n: np.ndarray | float, ttft_s: float, tpot_s: float
+    ) -> Plan:
+        workers = self._table.workers
+        assert workers is not None
+        n_p = float(n[p]) if isinstance(n, np.ndarray) else n
+        return Plan(
+            prefill_worker=workers[p].worker_id,
+            decode_worker=None if d is None else workers[d].worker_id,
+            length_class=self._classifier.classify(n_p),
+            predicted_ttft_s=float(ttft_s),
+            predicted_tpot_s=float(tpot_s),
+        )
+
+    def _refuse(
+        self,
+        t: WorkerTable,
+        ttft_local: np.ndarray,
+        decodable: np.ndarray,
+        budget_s: float,
+        elapsed_s: float,
+        batch: bool,
+    ) -> Reject:
+        prefill_capable = t.in_roles((Role.PREFILL, *self.colocate_roles))
+        if not prefill_capable.any() or not t.in_roles((Role.DECODE, *self.colocate_roles)).any():
+            return Reject("no live worker", retry_after_s=self.min_retry_after_s)
+        best_ttft_s = float(np.min(np.where(prefill_capable, ttft_local, np.inf)))
+        if best_ttft_s > budget_s:
+            reason = "ttft target unreachable"
+        elif not decodable.any():
+            reason = "no decode capacity within memory and tpot"
+        else:
+            reason = "no pair meets both targets"
+        reachable = best_ttft_s <= budget_s
+        if reachable and not batch and elapsed_s < self.max_hold_s:
+            return Reject(reason, retry_after_s=self.hold_retry_s, hold=True)
+        best_wait_s = float(np.min(np.where(prefill_capable, t.wait_short_s, np.inf)))
+        return Reject(reason, retry_after_s=max(self.min_retry_after_s, best_wait_s))

@@ -1,0 +1,218 @@
+"""Per-worker numbers the SLO-goodput policy prices every request against, as arrays.
+
+Everything that does not depend on the request is computed once per worker
+snapshot: the fitted prefill coefficients (with their error margin), the queue
+wait of each length class, the decode step time with one more request, the
+past-future peak of the running set (a ``PeakTable``), the memory limits. A new
+``ClusterView`` usually shares most ``WorkerView`` objects with the previous one
+(telemetry arrives one worker at a time, reservations touch one worker), so
+``sync`` compares snapshots by identity and recomputes only the rows that
+changed. A request then costs a few vectorised numpy operations over the rows.
+
+The output-length history used for new rows is whatever was current when the
+row was built; every worker reports at least every 100 ms, so rows follow it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.cost_model import CostModel, Profile
+from router.estimator import PeakTable, remaining_tokens
+from router.length import SplitMode, long_pool, queue_wait_s
+from router.prefix_index import PrefixIndex
+from router.types import ClusterView, LengthClass, Role, WorkerView
+
+__all__ = ["TableSettings", "WorkerTable"]
+
+_ROLE_CODES = {Role.PREFILL: 0, Role.DECODE: 1, Role.MIXED: 2, Role.ENCODE: 3}
+
+
+@dataclass(frozen=True, slots=True)
+class TableSettings:
+    profile: Profile
+    split_mode: SplitMode
+    memory_fraction: float
+    batch_memory_fraction: float
+    colocate_roles: tuple[Role, ...]
+    spatial_long_fraction: float
+    use_error_margin: bool
+    num_draws: int
+    stall_weight: float
+
+
+class WorkerTable:
+    """Row ``i`` describes ``view.workers[i]``; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: TableSettings,
+        cost_model_for: Callable[[str], CostModel],
+        rng: np.random.Generator,
+    ) -> None:
+        self.settings = settings
+        self._cost_model_for = cost_model_for
+        self._rng = rng
+        self._last_step_end_s: dict[str, float] = {}
+        self.sorted_history: np.ndarray = np.zeros(0)
+        self.workers: tuple[WorkerView, ...] | None = None
+        self.prefix_index = PrefixIndex()
+        self._allocate(0)
+
+    def _allocate(self, n: int) -> None:
+        zeros = lambda: np.zeros(n)  # noqa: E731
+        self.role = np.zeros(n, dtype=np.int8)
+        self.usable = np.zeros(n, dtype=bool)
+        self.in_long_pool = np.zeros(n, dtype=bool)
+        self.pa, self.pb, self.pc = zeros(), zeros(), zeros()
+        self.wait_short_s, self.wait_long_s = zeros(), zeros()
+        self.bandwidth = np.ones(n)
+        self.kv_bytes_per_token = zeros()
+        self.block_size = np.ones(n)
+        self.step_base_s, self.step_per_token_s = zeros(), zeros()
+        self.num_running, self.max_num_seqs = zeros(), zeros()
+        self.held_tokens, self.peak_tokens = zeros(), zeros()
+        self.limit_tokens, self.batch_limit_tokens = zeros(), zeros()
+        self.fullness = zeros()
+        self.queued_tokens = zeros()
+        self.tables: list[PeakTable | None] = [None] * n
+        # Request-independent parts of the checks, so a request costs few array operations.
+        self.prefill_penalty = np.full(n, np.inf)  # 0 on usable prefill workers
+        self.transfer_s_per_token = zeros()  # kv_bytes_per_token / bandwidth
+        self.stall_per_prefill_s = zeros()  # stall_weight × running requests
+        self.room_tokens, self.batch_room_tokens = zeros(), zeros()  # limit − held
+        self.slack_tokens, self.batch_slack_tokens = zeros(), zeros()  # limit − peak
+        self.decode_ok = np.zeros(n, dtype=bool)  # usable decode worker with a free seat
+        self.coloc_ok = np.zeros(n, dtype=bool)  # same, for colocated hosts
+        self.batch_decode_ok = np.zeros(n, dtype=bool)
+        self.batch_coloc_ok = np.zeros(n, dtype=bool)
+
+    # -- keeping up with the view ----------------------------------------------------
+
+    def sync(self, view: ClusterView) -> None:
+        new = view.workers
+        old = self.workers
+        if new is old:
+            return
+        if old is None or len(new) != len(old):
+            self._rebuild(new)
+            return
+        changed = [i for i, (a, b) in enumerate(zip(new, old)) if a is not b]
+        for i in changed:
+            if new[i].worker_id != old[i].worker_id or new[i].role != old[i].role:
+                self._rebuild(new)
+                return
+        self.workers = new
+        for i in changed:
+            self._fill_row(i, new[i])
+
+    def _rebuild(self, workers: Sequence[WorkerView]) -> None:
+        self._allocate(len(workers))
+        self.workers = tuple(workers)
+        prefill_ids = [w.worker_id for w in workers if w.role is Role.PREFILL]
+        long_ids = long_pool(prefill_ids, self.settings.spatial_long_fraction)
+        self.prefix_index.reset([frozenset()] * len(workers))
+        for i, w in enumerate(workers):
+            self.in_long_pool[i] = w.worker_id in long_ids
+            self._fill_row(i, w)
+
+    def _fill_row(self, i: int, w: WorkerView) -> None:
+        s = self.settings
+        model = self._cost_model_for(w.worker_id)
+        self._ingest_steps(w, model)
+        self.role[i] = _ROLE_CODES[w.role]
+        self.usable[i] = w.alive and not w.draining
+        self.prefix_index.update(i, w.prefix_digest)
+        self.bandwidth[i] = w.link_bandwidth_bytes_per_s or s.profile.transfer.bandwidth_bytes_per_s
+        self.kv_bytes_per_token[i] = w.kv_bytes_per_token or s.profile.kv_bytes_per_token
+        self.block_size[i] = w.block_size
+        self.queued_tokens[i] = sum(w.queued_tokens.values())
+
+        coeffs = model.prefill_coeffs
+        p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
+        self.pa[i], self.pb[i], self.pc[i] = (
+            coeffs.a * p_margin,
+            coeffs.b * p_margin,
+            coeffs.c * p_margin,
+        )
+        mode = s.split_mode
+        short_s = queue_wait_s(coeffs, w.queued_tokens, w.queued_requests, LengthClass.SHORT, mode)
+        long_s = queue_wait_s(coeffs, w.queued_tokens, w.queued_requests, LengthClass.LONG, mode)
+        self.wait_short_s[i] = short_s * p_margin
+        self.wait_long_s[i] = long_s * p_margin
+
+        held = [r.num_tokens_held for r in w.running]
+        held_total = float(sum(held))
+        num_running = len(w.running)
+        dec = model.decode_coeffs
+        d_margin = 1.0 + (model.decode_error if s.use_error_margin else 0.0)
+        self.step_base_s[i] = (dec.a + dec.b * (num_running + 1) + dec.c * held_total) * d_margin
+        self.step_per_token_s[i] = dec.c * d_margin
+        self.num_running[i] = num_running
+        self.max_num_seqs[i] = w.max_num_seqs
+        self.held_tokens[i] = held_total
+
+        total_blocks = w.num_total_blocks or s.profile.num_kv_blocks
+        free_blocks = w.num_free_blocks if w.num_total_blocks else total_blocks
+        capacity = total_blocks * w.block_size
+        other = max(0.0, (total_blocks - free_blocks) * w.block_size - held_total)
+        self.limit_tokens[i] = s.memory_fraction * capacity - other
+        self.batch_limit_tokens[i] = s.batch_memory_fraction * capacity - other
+
+        if w.role is Role.DECODE or w.role in s.colocate_roles:
+            table = self._peak_table(w, held)
+            self.tables[i] = table
+            self.peak_tokens[i] = table.peak_tokens
+        else:
+            self.tables[i] = None
+            self.peak_tokens[i] = 0.0
+        self._derive_row(i, w)
+
+    def _derive_row(self, i: int, w: WorkerView) -> None:
+        s = self.settings
+        usable = bool(self.usable[i])
+        peak, held = self.peak_tokens[i], self.held_tokens[i]
+        limit, batch_limit = self.limit_tokens[i], self.batch_limit_tokens[i]
+        self.fullness[i] = peak / limit if limit > 0 else np.inf
+        self.prefill_penalty[i] = 0.0 if usable and w.role is Role.PREFILL else np.inf
+        self.transfer_s_per_token[i] = self.kv_bytes_per_token[i] / self.bandwidth[i]
+        self.stall_per_prefill_s[i] = s.stall_weight * self.num_running[i]
+        self.room_tokens[i], self.batch_room_tokens[i] = limit - held, batch_limit - held
+        self.slack_tokens[i], self.batch_slack_tokens[i] = limit - peak, batch_limit - peak
+        seat = usable and self.num_running[i] < self.max_num_seqs[i]
+        decode, coloc = w.role is Role.DECODE, w.role in s.colocate_roles
+        self.decode_ok[i] = seat and decode and peak < limit
+        self.coloc_ok[i] = seat and coloc and peak < limit
+        self.batch_decode_ok[i] = seat and decode and peak < batch_limit
+        self.batch_coloc_ok[i] = seat and coloc and peak < batch_limit
+
+    def _peak_table(self, w: WorkerView, held: list[int]) -> PeakTable:
+        n = len(w.running)
+        gen = np.fromiter((r.num_generated for r in w.running), dtype=np.float64, count=n)
+        cap = np.fromiter((r.max_tokens for r in w.running), dtype=np.float64, count=n)
+        u = self._rng.random((self.settings.num_draws, n))
+        r = remaining_tokens(self.sorted_history, gen, cap, u)
+        return PeakTable(r, np.asarray(held, dtype=np.float64))
+
+    def _ingest_steps(self, w: WorkerView, model: CostModel) -> None:
+        last = self._last_step_end_s.get(w.worker_id, -np.inf)
+        newest = last
+        for sample in w.recent_steps:
+            if sample.end_s > last:
+                model.observe(sample)
+                newest = max(newest, sample.end_s)
+        self._last_step_end_s[w.worker_id] = newest
+
+    def is_role(self, role: Role) -> np.ndarray:
+        mask: np.ndarray = (self.role == _ROLE_CODES[role]) & self.usable
+        return mask
+
+    def in_roles(self, roles: Sequence[Role]) -> np.ndarray:
+        mask = np.zeros(len(self.role), dtype=bool)
+        for role in roles:
+            mask |= self.role == _ROLE_CODES[role]
+        result: np.ndarray = mask & self.usable
+        return result
