@@ -31,11 +31,12 @@ from loadgen.sim.profile import load_profile
 from router.policy import available_policies
 
 TARGET_ATTAINMENT = 0.9
+MAX_REQUESTS = 8000  # per simulated run: bounds the 256-GPU runs' time
 INPUT_LEN = "mix:0.9*uniform:32-256,0.1*uniform:2000-6000"
 OUTPUT_LEN = "uniform:16-256"
 SLO = GoodputSLO(ttft_ms=500, tpot_ms=25)
-RATES_PER_GPU = (8.0, 16.0, 20.0, 24.0, 28.0, 32.0, 36.0, 40.0, 48.0, 56.0, 64.0)
-PREFILL_SHARES = (0.25, 0.5, 0.75)
+RATES_PER_GPU = (16.0, 24.0, 32.0, 40.0, 48.0, 56.0, 64.0)
+PREFILL_SHARES = (0.5, 0.75)
 
 
 def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINMENT) -> float:
@@ -61,7 +62,7 @@ def sweep(
             workload=WorkloadConfig(
                 input_len=INPUT_LEN,
                 output_len=OUTPUT_LEN,
-                num_requests=max(500, requests_per_gpu * gpus),
+                num_requests=min(MAX_REQUESTS, max(500, requests_per_gpu * gpus)),
                 seed=0,
             ),
             rate=RateSpec(per_gpu * gpus),

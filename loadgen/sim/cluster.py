@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from loadgen.metrics import RequestRecord
 from loadgen.sim.profile import Profile
-from loadgen.sim.worker import SimRequest, SimWorker
+from loadgen.sim.worker import Admission, SimRequest, SimWorker
 from loadgen.workload import RequestSpec
 from router.policy import Policy
 from router.types import (
@@ -56,6 +56,7 @@ class SimCluster:
         max_hold_s: float = 30.0,
         hold_poll_s: float = 0.05,
         max_tokens: int | None = None,
+        make_admission: Callable[[], Admission] | None = None,
     ) -> None:
         self.profile = profile
         self.policy = policy
@@ -76,6 +77,7 @@ class SimCluster:
                 self._on_finished,
                 self._on_step,
                 self._dirty,
+                make_admission() if make_admission and role is not Role.PREFILL else None,
             )
             for i, role in enumerate(roles)
         ]
@@ -212,12 +214,11 @@ class SimCluster:
             worker.join_colocated(req)
             return
         # Decode pulls over its inbound link; transfers to one worker queue on it.
-        wire_s = (
-            req.input_len * self.profile.kv_bytes_per_token / self.profile.bandwidth_bytes_per_s
-        )
+        link = self.profile.transfer
+        wire_s = req.input_len * self.profile.kv_bytes_per_token / link.bandwidth_bytes_per_s
         start_s = max(now_s, self._link_free_s[decode.worker_id])
         self._link_free_s[decode.worker_id] = start_s + wire_s
-        self._push(start_s + wire_s + self.profile.latency_s, _LANDED, req, 0)
+        self._push(start_s + wire_s + link.latency_s, _LANDED, req, 0)
 
     def _on_finished(self, worker: SimWorker, req: SimRequest, now_s: float) -> None:
         if self.prefix_caching and req.output_len <= 1:
@@ -241,26 +242,12 @@ class SimCluster:
         )
         self._send_next(now_s)
 
-    def _on_step(
-        self,
-        worker: SimWorker,
-        duration_s: float,
-        mean_step_s: float,
-        num_tokens: int,
-        num_prefill: int,
-        batch: int,
-    ) -> None:
-        if num_tokens:
-            self.itl_values_s.append(mean_step_s if not num_prefill else duration_s)
-            self.itl_weights.append(float(num_tokens))
-        self._steps[worker.worker_id].append(
-            StepSample(
-                duration_s=duration_s if num_prefill else mean_step_s,
-                num_prefill_tokens=num_prefill,
-                num_decode_seqs=batch,
-                total_context_tokens=worker.used_tokens,
-            )
-        )
+    def _on_step(self, worker: SimWorker, now_s: float, sample: StepSample, steps: int) -> None:
+        # Every decode sequence waited one step per token: pooled ITL with weights.
+        if sample.num_decode_seqs:
+            self.itl_values_s.append(sample.duration_s)
+            self.itl_weights.append(float(steps * sample.num_decode_seqs))
+        self._steps[worker.worker_id].append(sample)
 
     # ---- prefix cache --------------------------------------------------------------
     def _cached_prefix_tokens(self, worker: SimWorker, req: SimRequest) -> int:
@@ -319,7 +306,7 @@ class SimCluster:
             prefix_digest=frozenset(self._caches[w.worker_id])
             if self.prefix_caching
             else frozenset(),
-            link_bandwidth_bytes_per_s=self.profile.bandwidth_bytes_per_s,
+            link_bandwidth_bytes_per_s=self.profile.transfer.bandwidth_bytes_per_s,
             kv_bytes_per_token=self.profile.kv_bytes_per_token,
             max_num_seqs=self.profile.max_num_seqs,
         )

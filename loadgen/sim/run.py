@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from loadgen.scenario import WorkloadConfig, build_requests
 from loadgen.sim.cluster import SimCluster
 from loadgen.sim.profile import Profile, load_profile
 from loadgen.workload import RequestSpec, WorkloadError
+from router.estimator import PastFutureAdmission
 from router.policy import make_policy
 from router.types import SLO, Role
 
@@ -42,7 +44,11 @@ class SimConfig:
     prefill_budget_tokens: int = 8192
     chunk_tokens: int = 512
     max_tokens: int | None = None  # what the router is told; None: the true output length
-    max_hold_s: float = 30.0
+    max_hold_s: float = 30.0  # backstop: a held request fails after this long
+    admission: str = (
+        "past_future"  # decode admission: past_future (the router's estimator) or greedy
+    )
+    prior_output_len: int = 1024  # the estimator's pessimistic prior
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,12 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         raise WorkloadError("give a rate or a concurrency")
     roles = _roles(config)
     slo = config.slo or GoodputSLO()
+    options = dict(config.policy_options)
+    if config.policy == "slo_goodput":
+        options.setdefault("profile", profile)  # seed its cost models with the simulated truth
     cluster = SimCluster(
         profile,
-        make_policy(config.policy, **config.policy_options),
+        make_policy(config.policy, **options),
         roles,
         SLO(
             ttft_s=slo.ttft_ms / 1000 if slo.ttft_ms is not None else None,
@@ -74,6 +83,7 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         prefix_caching=_shares_prefixes(specs),
         max_hold_s=config.max_hold_s,
         max_tokens=config.max_tokens,
+        make_admission=_admission_factory(config),
     )
     started = time.perf_counter()
     if config.rate is None:
@@ -106,11 +116,22 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         "profile": f"{profile.model} on {profile.hardware}",
         "rejected": cluster.num_rejected,
         "preempted": sum(w.num_preempted for w in cluster.workers),
+        "admission": config.admission,
         "num_events": cluster.num_events,
         "num_decisions": cluster.num_decisions,
         "sim_wall_s": wall_s,
     }
     return SimResult(summary, records)
+
+
+def _admission_factory(config: SimConfig) -> Callable[[], PastFutureAdmission] | None:
+    match config.admission:
+        case "greedy":
+            return None
+        case "past_future":
+            return lambda: PastFutureAdmission(config.prior_output_len, seed=config.workload.seed)
+        case other:
+            raise WorkloadError(f"unknown admission {other!r}: past_future or greedy")
 
 
 def _roles(config: SimConfig) -> list[Role]:

@@ -18,12 +18,31 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from loadgen.sim.profile import Profile
-from router.types import LengthClass, Role
+from router.types import LengthClass, Role, RunningRequest, StepSample
 
-__all__ = ["SimRequest", "SimWorker"]
+__all__ = ["Admission", "SimRequest", "SimWorker"]
+
+
+class Admission(Protocol):
+    """The engine's decode admission rule (``router.estimator.PastFutureAdmission``)."""
+
+    def can_admit(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        running: Sequence[RunningRequest],
+        num_free_blocks: int,
+        num_total_blocks: int,
+        block_size: int,
+    ) -> bool: ...
+
+    def observe_finished(self, output_len: int) -> None: ...
+
+    def record_exhaustion(self) -> None: ...
 
 
 class SimRequest:
@@ -77,7 +96,8 @@ class SimRequest:
 
 # Callbacks into the cluster: (worker, request, now_s).
 Hook = Callable[["SimWorker", SimRequest, float], None]
-StepHook = Callable[["SimWorker", float, float, int, int, int], None]
+# (worker, now_s, sample): one mean step of what just ran, for telemetry and ITL.
+StepHook = Callable[["SimWorker", float, StepSample, int], None]
 
 
 class SimWorker:
@@ -94,16 +114,18 @@ class SimWorker:
         on_finished: Hook,
         on_step: StepHook,
         dirty_list: list[SimWorker],
+        admission: Admission | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.role = role
         self.profile = profile
         self.budget_tokens = budget_tokens
-        self.capacity_tokens = profile.capacity_tokens
+        self.capacity_tokens = profile.num_kv_blocks * profile.block_size
         self._schedule = schedule
         self._on_prefilled = on_prefilled
         self._on_finished = on_finished
         self._on_step = on_step
+        self.admission = admission  # None: admit whenever the KV fits now (vLLM-style)
         self.queues: dict[LengthClass, deque[SimRequest]] = {
             LengthClass.SHORT: deque(),
             LengthClass.LONG: deque(),
@@ -180,7 +202,7 @@ class SimWorker:
                 dur += prof.decode.b * batch + prof.decode.c * context
             self._base, self._inc, self._steps = dur, 0.0, 1
         else:
-            self._base = prof.decode_step_s(batch, context)
+            self._base = prof.decode.a + prof.decode.b * batch + prof.decode.c * context
             self._inc = prof.decode.c * batch
             self._steps = self._segment_steps(batch)
         self._end_s = now_s + self._elapsed(self._steps)
@@ -207,6 +229,8 @@ class SimWorker:
                     finished.append(r)
             if finished:
                 for r in finished:
+                    if self.admission is not None:
+                        self.admission.observe_finished(r.output_len)
                     self.running.remove(r)
                     self.used_tokens -= r.held
                     r.finish_s = now_s
@@ -220,7 +244,16 @@ class SimWorker:
             if req.prefill_left == 0:
                 self._prefilled(req, now_s)
         self._chunks = []
-        self._on_step(self, now_s - self._t0, mean_step_s, steps * batch, num_prefill, batch)
+        # Context at the middle of a segment: its steps' mean duration belongs there.
+        context = self.used_tokens - batch * steps // 2 if not num_prefill else self.used_tokens
+        sample = StepSample(
+            duration_s=mean_step_s if not num_prefill else now_s - self._t0,
+            num_prefill_tokens=num_prefill,
+            num_decode_seqs=batch,
+            total_context_tokens=context,
+            end_s=now_s,
+        )
+        self._on_step(self, now_s, sample, steps)
         self.mark_dirty()
         self._preempt_if_full()
         self._start_step(now_s)
@@ -246,10 +279,26 @@ class SimWorker:
             need = req.input_len + req.generated
             if self.used_tokens + need + len(self.running) + 1 > self.capacity_tokens:
                 break
+            if self.running and not self._estimator_admits(req, need):
+                break  # an empty worker always admits what fits, or nothing would move
             self.waiting.popleft()
             self.reserved.pop(req.request_id, None)
             req.held = need
             self._join(req)
+
+    def _estimator_admits(self, req: SimRequest, need: int) -> bool:
+        if self.admission is None:
+            return True
+        bs = self.profile.block_size
+        running = [RunningRequest(r.held, r.generated, r.max_tokens) for r in self.running]
+        return self.admission.can_admit(
+            need,
+            req.max_tokens,
+            running,
+            (self.capacity_tokens - self.used_tokens) // bs,
+            self.profile.num_kv_blocks,
+            bs,
+        )
 
     def join_colocated(self, req: SimRequest) -> None:
         req.held = req.input_len + req.generated
@@ -272,6 +321,8 @@ class SimWorker:
             self.queues[LengthClass.LONG].appendleft(victim)
             self.queued_tokens[LengthClass.LONG] += victim.prefill_left
             self.num_preempted += 1
+            if self.admission is not None:
+                self.admission.record_exhaustion()
 
     def _take_chunks(self) -> list[tuple[SimRequest, int]]:
         budget = self.budget_tokens - len(self.running)

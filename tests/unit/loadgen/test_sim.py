@@ -10,7 +10,7 @@ from loadgen.arrivals import RateSpec
 from loadgen.metrics import GoodputSLO
 from loadgen.scenario import WorkloadConfig
 from loadgen.sim import SimConfig, simulate, simulate_specs
-from loadgen.sim.profile import Coeffs, Profile, load_profile
+from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
 from router.policy import register_policy
 from router.types import ClusterView, Reject, RequestProfile
@@ -18,10 +18,9 @@ from router.types import ClusterView, Reject, RequestProfile
 PROFILE = Profile(
     model="hand",
     hardware="paper",
-    prefill=Coeffs(0.01, 0.001, 0.0),
-    decode=Coeffs(0.01, 0.0, 0.0001),
-    bandwidth_bytes_per_s=1e6,
-    latency_s=0.005,
+    prefill=QuadCoeffs(0.01, 0.001, 0.0),
+    decode=QuadCoeffs(0.01, 0.0, 0.0001),
+    transfer=TransferCoeffs(bandwidth_bytes_per_s=1e6, latency_s=0.005),
     kv_bytes_per_token=100,
     num_kv_blocks=1000,
     block_size=16,
@@ -85,13 +84,21 @@ def test_rejections_are_failures_and_lower_attainment() -> None:
     assert s["slo_attainment"] == 0.0
 
 
-def test_memory_pressure_preempts_and_still_completes() -> None:
-    small = replace(PROFILE, num_kv_blocks=20)  # 320 tokens
-    cfg = SimConfig(rate=RateSpec(100.0), profile=small, num_prefill=1, num_decode=1)
+def test_memory_pressure_greedy_preempts_estimator_does_not() -> None:
+    small = replace(PROFILE, num_kv_blocks=20)  # 320 tokens; 4 x (60 + 80) will not fit
     specs = [_spec(f"r{i}", 0.001 * i, 60, 80) for i in range(4)]
-    s = simulate_specs(cfg, specs).summary
+    greedy = SimConfig(
+        rate=RateSpec(100.0), profile=small, num_prefill=1, num_decode=1, admission="greedy"
+    )
+    s = simulate_specs(greedy, specs).summary
     assert s["completed"] == 4
     assert s["preempted"] > 0
+    # The router's past-future estimator as decode admission: nobody is preempted,
+    # requests wait for room instead (max_tokens is exact here).
+    careful = replace(greedy, admission="past_future")
+    s = simulate_specs(careful, specs).summary
+    assert s["completed"] == 4
+    assert s["preempted"] == 0
 
 
 def test_closed_loop_runs_one_at_a_time() -> None:
