@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from starlette.applications import Starlette
@@ -34,17 +35,37 @@ def _chunk(kind: str, text: str) -> dict[str, object]:
     return {"object": "text_completion", "choices": [{"index": 0, "text": text}], "usage": None}
 
 
-async def _stream(kind: str, prompt: str, max_tokens: int) -> AsyncIterator[bytes]:
+@dataclass
+class Timing:
+    """Delays of the scripted stream; the per-token and per-stream terms model an engine."""
+
+    first_s: float = FIRST_DELAY_S
+    first_per_prompt_char_s: float = 0.0
+    gap_s: float = GAP_S
+    gap_per_stream_s: float = 0.0
+    active_streams: int = 0
+
+
+async def _stream(kind: str, prompt: str, max_tokens: int, timing: Timing) -> AsyncIterator[bytes]:
+    timing.active_streams += 1
+    try:
+        async for chunk in _chunks(kind, prompt, max_tokens, timing):
+            yield chunk
+    finally:
+        timing.active_streams -= 1
+
+
+async def _chunks(kind: str, prompt: str, max_tokens: int, timing: Timing) -> AsyncIterator[bytes]:
     if kind == "chat":  # role-only first chunk carries no text and must not count as TTFT
         first = {
             "object": "chat.completion.chunk",
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
         }
         yield f"data: {json.dumps(first)}\n\n".encode()
-    await asyncio.sleep(FIRST_DELAY_S)
+    await asyncio.sleep(timing.first_s + timing.first_per_prompt_char_s * len(prompt))
     for i in range(max_tokens):
         if i:
-            await asyncio.sleep(GAP_S)
+            await asyncio.sleep(timing.gap_s + timing.gap_per_stream_s * timing.active_streams)
         yield f"data: {json.dumps(_chunk(kind, 'x'))}\n\n".encode()
         if prompt.startswith("BREAK"):
             yield b'data: {"error": {"message": "worker died", "type": "InternalServerError", "code": 500}}\n\n'
@@ -60,6 +81,7 @@ async def _stream(kind: str, prompt: str, max_tokens: int) -> AsyncIterator[byte
 
 
 async def _generate(request: Request) -> Response:
+    timing: Timing = request.app.state.timing
     body = await request.json()
     kind = "chat" if request.url.path.endswith("chat/completions") else "completions"
     prompt = body["messages"][0]["content"] if kind == "chat" else body["prompt"]
@@ -73,9 +95,8 @@ async def _generate(request: Request) -> Response:
             }
         }
         return JSONResponse(err, status_code=400)
-    return StreamingResponse(
-        _stream(kind, prompt, int(body["max_tokens"])), media_type="text/event-stream"
-    )
+    stream = _stream(kind, prompt, int(body["max_tokens"]), timing)
+    return StreamingResponse(stream, media_type="text/event-stream")
 
 
 async def _models(request: Request) -> Response:
@@ -87,21 +108,24 @@ async def _models(request: Request) -> Response:
     )
 
 
-APP = Starlette(
-    routes=[
-        Route("/v1/completions", _generate, methods=["POST"]),
-        Route("/v1/chat/completions", _generate, methods=["POST"]),
-        Route("/v1/models", _models),
-    ]
-)
+def make_app(timing: Timing | None = None) -> Starlette:
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", _generate, methods=["POST"]),
+            Route("/v1/chat/completions", _generate, methods=["POST"]),
+            Route("/v1/models", _models),
+        ]
+    )
+    app.state.timing = timing or Timing()
+    return app
 
 
 @contextmanager
-def serve() -> Iterator[str]:
+def serve(timing: Timing | None = None) -> Iterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(APP, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(make_app(timing), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

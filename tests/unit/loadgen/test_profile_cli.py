@@ -1,0 +1,58 @@
+"""``baton profile`` recovers known cost curves from a scripted server over real HTTP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadgen.cli_profile import fit_nonnegative
+from loadgen.sim.profile import load_profile
+from services.cli import main
+
+from .sse_server import Timing, serve
+
+
+def test_fit_nonnegative_drops_negative_terms() -> None:
+    n = np.array([1.0, 2.0, 3.0, 4.0])
+    x = np.stack([np.ones_like(n), n, n * n], axis=1)
+    assert fit_nonnegative(x, 0.5 + 0.25 * n) == pytest.approx([0.5, 0.25, 0.0], abs=1e-9)
+    # A decreasing curve cannot use a negative slope: the slope is dropped.
+    coeffs = fit_nonnegative(x[:, :2], 1.0 - 0.1 * n)
+    assert coeffs[1] == 0.0 and coeffs[0] > 0
+
+
+def test_profile_measures_prefill_and_decode(tmp_path: Path) -> None:
+    timing = Timing(first_s=0.01, first_per_prompt_char_s=1e-4, gap_s=0.01, gap_per_stream_s=0.004)
+    out = tmp_path / "p.json"
+    with serve(timing) as url:
+        argv = [
+            "profile",
+            "--base-url",
+            url,
+            "--prefill-lens",
+            "10,200,400",
+            "--repeats",
+            "1",
+            "--decode-batches",
+            "1,4",
+            "--decode-contexts",
+            "16",
+            "--decode-tokens",
+            "8",
+            "--hardware",
+            "test box",
+            "--out",
+            str(out),
+        ]
+        assert main(argv) == 0
+    data = json.loads(out.read_text())
+    profile = load_profile(out)  # the router's loader accepts it
+    assert profile.hardware == "test box" and data["estimated"] is False
+    # TTFT = 0.01 + 1e-4 per prompt character (plus HTTP overhead)
+    assert profile.prefill.b == pytest.approx(1e-4, rel=0.5)
+    # Gaps grow with the number of concurrent streams: a positive per-sequence term.
+    assert profile.decode.b + profile.decode.c * 20 > 0.001
+    assert any("measured by `baton profile`" in s for s in profile.sources)
