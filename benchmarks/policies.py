@@ -15,20 +15,25 @@ prefill). Prints one JSON object per (GPU count, policy)::
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
-from loadgen.arrivals import RateSpec
-from loadgen.metrics import GoodputSLO
-from loadgen.plots import plot_attainment_vs_rate
-from loadgen.scenario import WorkloadConfig
-from loadgen.sim import SimConfig, simulate
-from loadgen.sim.profile import load_profile
-from router.policy import available_policies
+# Run as a script, this folder leads sys.path and benchmarks/router.py would shadow the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+from typing import Any  # noqa: E402
+
+from loadgen.arrivals import RateSpec  # noqa: E402
+from loadgen.metrics import GoodputSLO  # noqa: E402
+from loadgen.plots import plot_attainment_vs_rate  # noqa: E402
+from loadgen.scenario import WorkloadConfig  # noqa: E402
+from loadgen.sim import SimConfig, simulate  # noqa: E402
+from loadgen.sim.profile import load_profile  # noqa: E402
+from router.policy import available_policies  # noqa: E402
 
 TARGET_ATTAINMENT = 0.9
 MAX_REQUESTS = 8000  # per simulated run: bounds the 256-GPU runs' time

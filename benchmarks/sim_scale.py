@@ -8,15 +8,22 @@ as the difference.
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
+from pathlib import Path
 
-from loadgen.arrivals import RateSpec
-from loadgen.metrics import GoodputSLO
-from loadgen.scenario import WorkloadConfig
-from loadgen.sim import SimConfig, simulate
-from loadgen.sim.profile import load_profile
-from router.policy import available_policies
+# Run as a script, this folder leads sys.path and benchmarks/router.py would shadow the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+from loadgen.arrivals import RateSpec  # noqa: E402
+from loadgen.metrics import GoodputSLO  # noqa: E402
+from loadgen.scenario import WorkloadConfig  # noqa: E402
+from loadgen.sim import SimConfig, simulate  # noqa: E402
+from loadgen.sim.profile import load_profile  # noqa: E402
+from router.policy import available_policies  # noqa: E402
 
 
 def main() -> None:
