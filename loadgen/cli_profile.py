@@ -5,7 +5,8 @@ prefix-cache hits) of several lengths; the median TTFT per length is fitted
 to ``a + b·n + c·n²``. Decode: ``B`` concurrent requests with prompts of
 ``L`` tokens generating ``T`` tokens each; the median inter-token latency is
 one decode step at batch ``B`` and total context about ``B·(L + T/2)``, fitted
-to ``a + b·B + c·ΣL``. Least squares with non-negative coefficients.
+to ``a + b·B + c·ΣL``. Least squares with non-negative coefficients, refitted
+once without outliers (stalls of a shared machine).
 
 What HTTP cannot see (KV bytes per token, blocks, transfer link) is copied
 from ``--base-profile`` and named as such in ``sources``. TTFT includes the
@@ -31,7 +32,7 @@ from loadgen.client import discover_model, send_request
 from loadgen.sim.profile import Profile, QuadCoeffs, load_profile
 from loadgen.workload import RequestSpec
 
-__all__ = ["add_arguments", "fit_nonnegative", "measure_profile", "run"]
+__all__ = ["add_arguments", "fit_nonnegative", "fit_robust", "measure_profile", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,20 @@ def fit_nonnegative(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
             coeffs[active] = sol
             return coeffs
         active.pop(int(np.argmin(sol)))
+    return coeffs
+
+
+def fit_robust(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
+    """``fit_nonnegative``, then once more without points far off the fit.
+
+    A shared machine stalls a probe now and then; a point whose residual is
+    over three times the median residual (and over 2 ms) is such a stall.
+    """
+    coeffs = fit_nonnegative(features, times_s)
+    residual = np.abs(features @ coeffs - times_s)
+    keep = residual <= max(3 * float(np.median(residual)), 0.002)
+    if keep.sum() >= features.shape[1] and not keep.all():
+        coeffs = fit_nonnegative(features[keep], times_s[keep])
     return coeffs
 
 
@@ -136,12 +151,12 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
             args.decode_tokens,
         )
     n = np.array([p[0] for p in prefill], dtype=float)
-    p_coeffs = fit_nonnegative(
+    p_coeffs = fit_robust(
         np.stack([np.ones_like(n), n, n * n], axis=1), np.array([p[1] for p in prefill])
     )
     b = np.array([p[0] for p in decode], dtype=float)
     ctx = np.array([p[1] for p in decode], dtype=float)
-    d_coeffs = fit_nonnegative(
+    d_coeffs = fit_robust(
         np.stack([np.ones_like(b), b, ctx], axis=1), np.array([p[2] for p in decode])
     )
     seed = load_profile(args.base_profile)

@@ -1,8 +1,8 @@
 """Async streaming client for OpenAI-compatible servers, timing every SSE event.
 
 ``send_request`` posts one streamed request and returns a ``RequestRecord``:
-TTFT is the first event carrying text, each later text event adds an
-inter-token latency, e2el ends after ``data: [DONE]``. Token counts come from
+TTFT is the first event carrying a token (text, or the final chunk), each
+later one adds an inter-token latency, e2el ends after ``data: [DONE]``. Token counts come from
 the server's ``usage`` (asked for with ``stream_options.include_usage``); when
 a server sends none, the output count falls back to the number of text events.
 ``ignore_eos: true`` is sent so output lengths are what the workload asked for.
@@ -69,15 +69,16 @@ def _payload(kind: EndpointKind, model: str, spec: RequestSpec) -> dict[str, Any
     return body
 
 
-def _text_of(chunk: dict[str, Any]) -> str:
-    parts: list[str] = []
+def _carries_token(chunk: dict[str, Any]) -> bool:
+    """Text, or the final chunk: a byte-level detokenizer may hold back an
+    incomplete UTF-8 character, so the last token can arrive as "" with a
+    ``finish_reason``. A chat role-only first chunk carries neither."""
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta")
-        if isinstance(delta, dict):
-            parts.append(delta.get("content") or "")
-        else:
-            parts.append(choice.get("text") or "")
-    return "".join(parts)
+        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        if text or choice.get("finish_reason"):
+            return True
+    return False
 
 
 async def send_request(
@@ -117,7 +118,7 @@ async def send_request(
                         spec.request_id, False, start_s, status=status, error=_error_text(data)
                     )
                 now = clock()
-                if _text_of(chunk):
+                if _carries_token(chunk):
                     num_events += 1
                     if ttft is None:
                         ttft = now - sent

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.cli_profile import fit_nonnegative
+from loadgen.cli_profile import fit_nonnegative, fit_robust
 from loadgen.sim.profile import load_profile
 from services.cli import main
 
@@ -22,6 +22,15 @@ def test_fit_nonnegative_drops_negative_terms() -> None:
     # A decreasing curve cannot use a negative slope: the slope is dropped.
     coeffs = fit_nonnegative(x[:, :2], 1.0 - 0.1 * n)
     assert coeffs[1] == 0.0 and coeffs[0] > 0
+
+
+def test_fit_robust_ignores_one_stall() -> None:
+    b = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+    x = np.stack([np.ones_like(b), b], axis=1)
+    t = 0.004 + 0.0005 * b
+    t[1] = 0.14  # one probe stalled
+    assert fit_robust(x, t) == pytest.approx([0.004, 0.0005], rel=1e-6)
+    assert fit_nonnegative(x, t)[0] > 0.02  # the plain fit is dragged off
 
 
 def test_profile_measures_prefill_and_decode(tmp_path: Path) -> None:
