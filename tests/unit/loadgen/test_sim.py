@@ -12,7 +12,7 @@ from loadgen.scenario import WorkloadConfig
 from loadgen.sim import SimConfig, simulate, simulate_specs
 from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
-from router.policy import register_policy
+from router.policy import available_policies, register_policy
 from router.types import ClusterView, Reject, RequestProfile
 
 PROFILE = Profile(
@@ -125,3 +125,39 @@ def test_summary_matches_bench_keys_and_is_reproducible() -> None:
         assert a[key] == b[key]
     assert a["completed"] + a["failed"] == 300
     assert a["gpus"] == 4 and a["policy"] == "round_robin"
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_every_policy_conserves_requests(policy: str) -> None:
+    workload = WorkloadConfig(
+        input_len="mix:0.8*uniform:16-200,0.2*uniform:600-1500",
+        output_len="uniform:1-60",
+        num_requests=200,
+        seed=7,
+    )
+    for shape in ({"num_prefill": 2, "num_decode": 2}, {"num_colocated": 3}):
+        cfg = SimConfig(
+            workload=workload,
+            rate=RateSpec(30.0),
+            profile=load_profile(),
+            policy=policy,
+            slo=GoodputSLO(ttft_ms=2000, tpot_ms=200),
+            **shape,  # type: ignore[arg-type]
+        )
+        result = simulate(cfg)
+        assert len(result.records) == 200
+        assert len({r.request_id for r in result.records}) == 200
+        for r in result.records:
+            if r.success:
+                assert r.ttft_s is not None and r.e2el_s is not None
+                assert 0 < r.ttft_s <= r.e2el_s
+        specs = {f"req-{i}" for i in range(200)}
+        assert {r.request_id for r in result.records} == specs
+
+
+def test_shipped_profiles_load_with_sources() -> None:
+    tiny = load_profile()
+    assert tiny.model == "tiny" and tiny.kv_bytes_per_token == 512
+    llama = load_profile("llama3-8b-h100")
+    assert llama.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K,V x layers x KV heads x dim x bf16
+    assert all(len(p.sources) >= 3 for p in (tiny, llama))
