@@ -5,7 +5,8 @@ GPU count and policy we sweep the arrival rate, take the rate at which SLO
 attainment crosses 90% (linear interpolation between grid points) as the
 goodput, and keep the best prefill:decode split of the ones tried (the
 aggregated baseline has no split: every GPU is a mixed worker with chunked
-prefill). Prints one JSON object per (GPU count, policy)::
+prefill). The split is searched at the first GPU count and scaled to the
+others. Prints one JSON object per (GPU count, policy)::
 
     {"gpus", "policy", "goodput", "goodput_per_gpu", "split", "best_baseline", "vs_best_baseline"}
 
@@ -46,7 +47,7 @@ INPUT_LEN = "mix:0.9*uniform:32-256,0.1*uniform:2000-6000"
 OUTPUT_LEN = "uniform:16-256"
 SLO = GoodputSLO(ttft_ms=500, tpot_ms=25)
 RATES_PER_GPU = (16.0, 32.0, 40.0, 48.0, 56.0, 64.0, 80.0, 96.0)
-PREFILL_SHARES = (0.75,)  # 3:1 won for every policy among 1:3, 1:1, 3:1 at 16 GPUs
+PREFILL_SHARES = (0.5, 0.625, 0.75)
 
 
 def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINMENT) -> float:
@@ -92,7 +93,8 @@ def sweep(
 
 def best_split(
     policy: str, gpus: int, shares: list[float], duration_s: float, profile_name: str
-) -> tuple[float, str, list[dict[str, Any]]]:
+) -> tuple[float, str, list[dict[str, Any]], float]:
+    """(goodput, "P:D:mixed", the winning sweep, the winning prefill share)."""
     if policy == "aggregated":
         runs = sweep(policy, gpus, 0, duration_s, profile_name)
         return (
@@ -106,7 +108,7 @@ def best_split(
         runs = sweep(policy, gpus, num_prefill, duration_s, profile_name)
         g = goodput_at([(float(s["rate"]), s["slo_attainment"]) for s in runs])
         if g > best[0]:
-            best = (g, f"{num_prefill}:{gpus - num_prefill}:0", runs)
+            best = (g, f"{num_prefill}:{gpus - num_prefill}:0", runs, share)
     return best
 
 
@@ -126,11 +128,17 @@ def main() -> int:
     policies = args.policies.split(",") if args.policies else [*available_policies(), "aggregated"]
     shares = [float(x) for x in args.prefill_shares.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
+    # Splits are searched at the first GPU count; larger counts reuse each policy's winner.
+    winning_share: dict[str, float] = {}
     for gpus in (int(g) for g in args.gpus.split(",")):
         results: dict[str, tuple[float, str]] = {}
         curves: dict[str, list[dict[str, Any]]] = {}
         for policy in policies:
-            goodput, split, runs = best_split(policy, gpus, shares, args.duration, args.profile)
+            tried = [winning_share[policy]] if policy in winning_share else shares
+            goodput, split, runs, share = best_split(
+                policy, gpus, tried, args.duration, args.profile
+            )
+            winning_share[policy] = share
             results[policy] = (goodput, split)
             curves[f"{policy} ({split})"] = runs
         for policy, (goodput, split) in results.items():
