@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 import httpx
 
@@ -20,6 +21,7 @@ from loadgen.client import BenchConfig, run_bench
 from loadgen.console import ProgressBar
 from loadgen.flags import add_workload_arguments, slo_from_args, sweep_from_args, workload_from_args
 from loadgen.report import compare_table, format_table, load_summary, write_run, write_sweep
+from loadgen.scenario import Tokenizer
 from loadgen.workload import WorkloadError
 
 __all__ = ["add_arguments", "run"]
@@ -30,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer folder of the target model: prompt lengths in its tokens "
+        "(default: approximate, one character per token)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--compare", nargs=2, type=Path, metavar=("DIR_A", "DIR_B"), help="compare two run folders"
@@ -47,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     except WorkloadError as e:
         print(f"baton bench: {e}", file=sys.stderr)
         return 2
+    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     # The only environment read: CI runs and pipes get no progress bar.
     interactive = sys.stdout.isatty() and not os.environ.get("CI")
     summaries = []
@@ -61,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             endpoint=args.endpoint,
             slo=slo,
             timeout_s=args.timeout,
+            tokenizer=tokenizer,
         )
         try:
             result = run_bench(config, progress=ProgressBar(label) if interactive else None)
@@ -78,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None and len(sweep) > 1:
         write_sweep(args.out, summaries, label="bench")
     return 0
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    from transformers import AutoTokenizer  # heavy: only when asked for
+
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(path, local_files_only=True))
 
 
 def _compare(a: Path, b: Path) -> int:

@@ -24,7 +24,7 @@ import httpx
 
 from loadgen.arrivals import RateSpec
 from loadgen.metrics import GoodputSLO, RequestRecord, compute_summary
-from loadgen.scenario import WorkloadConfig, build_requests, synthetic_prompt
+from loadgen.scenario import Tokenizer, WorkloadConfig, build_requests, synthetic_prompt
 from loadgen.workload import RequestSpec
 
 __all__ = ["BenchConfig", "BenchResult", "discover_model", "run_bench", "send_request"]
@@ -44,6 +44,7 @@ class BenchConfig:
     slo: GoodputSLO | None = None
     timeout_s: float = 600.0
     api_key: str = "EMPTY"
+    tokenizer: Tokenizer | None = None  # the target's: prompt lengths in its tokens
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class BenchResult:
     records: list[RequestRecord]
 
 
-def _payload(kind: EndpointKind, model: str, spec: RequestSpec) -> dict[str, Any]:
+def _payload(
+    kind: EndpointKind, model: str, spec: RequestSpec, tokenizer: Tokenizer | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": spec.output_len,
@@ -61,7 +64,7 @@ def _payload(kind: EndpointKind, model: str, spec: RequestSpec) -> dict[str, Any
         "ignore_eos": True,
         "temperature": 0.0,
     }
-    prompt = synthetic_prompt(spec)
+    prompt = synthetic_prompt(spec, tokenizer)
     if kind == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -88,6 +91,7 @@ async def send_request(
     model: str,
     spec: RequestSpec,
     run_start_s: float,
+    tokenizer: Tokenizer | None = None,
 ) -> RequestRecord:
     clock = time.perf_counter
     sent = clock()
@@ -99,7 +103,7 @@ async def send_request(
     num_events = 0
     status: int | None = None
     try:
-        async with client.stream("POST", url, json=_payload(kind, model, spec)) as resp:
+        async with client.stream("POST", url, json=_payload(kind, model, spec, tokenizer)) as resp:
             status = resp.status_code
             if status != 200:
                 body = (await resp.aread()).decode(errors="replace")
@@ -186,7 +190,10 @@ async def run_bench_async(config: BenchConfig, progress: Progress | None = None)
         run_start = time.perf_counter()
 
         async def one(spec: RequestSpec) -> None:
-            done(await send_request(client, url, config.endpoint, model, spec, run_start))
+            record = await send_request(
+                client, url, config.endpoint, model, spec, run_start, config.tokenizer
+            )
+            done(record)
 
         if config.rate is not None:
             tasks = []

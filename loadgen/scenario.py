@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from loadgen.arrivals import RateSpec, arrival_times
 from loadgen.trace import load_workload_file
 from loadgen.workload import RequestSpec, WorkloadError, parse_length
 
-__all__ = ["WorkloadConfig", "build_requests", "synthetic_prompt"]
+__all__ = ["Tokenizer", "WorkloadConfig", "build_requests", "synthetic_prompt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +123,27 @@ def _conversations(
 _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
 
 
-def synthetic_prompt(spec: RequestSpec) -> str:
-    """ASCII text of ``input_len`` characters; blocks named by the same hash id are equal.
+class Tokenizer(Protocol):
+    """What ``synthetic_prompt`` needs of a Hugging Face tokenizer."""
 
-    One character per token for a byte-level tokenizer; for BPE tokenizers the
-    token count is approximate (about a quarter to a third as many tokens).
+    vocab_size: int
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+def synthetic_prompt(spec: RequestSpec, tokenizer: Tokenizer | None = None) -> str:
+    """Text of about ``input_len`` tokens; blocks named by the same hash id are equal.
+
+    Without a tokenizer: ASCII text of ``input_len`` characters, one token per
+    character for the byte-level tiny model, approximate (about a quarter to a
+    third as many tokens) for BPE tokenizers. With the target's tokenizer:
+    ``input_len`` random token ids decoded to text, which re-encodes to about
+    that many tokens (merges at id boundaries can shift it by a few percent).
     """
     if spec.prompt is not None:
         return spec.prompt
+    if tokenizer is not None:
+        return tokenizer.decode(_token_ids(spec, tokenizer.vocab_size))
     chunks: list[bytes] = []
     for hash_id in spec.hash_ids:
         block_rng = np.random.default_rng(hash_id & 0xFFFFFFFFFFFF)
@@ -142,3 +156,17 @@ def synthetic_prompt(spec: RequestSpec) -> str:
         tail_rng = np.random.default_rng(zlib.crc32(spec.request_id.encode()))
         text += _ALPHABET[tail_rng.integers(0, len(_ALPHABET), tail)].tobytes()
     return text.decode("ascii")
+
+
+def _token_ids(spec: RequestSpec, vocab_size: int) -> list[int]:
+    # Skip the lowest ids, where tokenizers keep special and control tokens.
+    low, high = min(1000, vocab_size // 4), vocab_size
+    ids: list[int] = []
+    for hash_id in spec.hash_ids:
+        block_rng = np.random.default_rng(hash_id & 0xFFFFFFFFFFFF)
+        ids.extend(block_rng.integers(low, high, spec.hash_block_size).tolist())
+    ids = ids[: spec.input_len]
+    if len(ids) < spec.input_len:
+        tail_rng = np.random.default_rng(zlib.crc32(spec.request_id.encode()))
+        ids.extend(tail_rng.integers(low, high, spec.input_len - len(ids)).tolist())
+    return ids

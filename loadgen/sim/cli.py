@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--colocated", type=int, default=0, help="N mixed workers (chunked prefill) instead"
     )
+    g.add_argument("--mixed", type=int, default=0, help="mixed workers added to the P/D cluster")
     g.add_argument("--policy", default="round_robin", help="router policy (router.policy registry)")
     g.add_argument("--profile", default=None, help="profile JSON (default: shipped tiny-cpu)")
     g.add_argument("--chunk-tokens", type=int, default=512, help="token budget of a mixed step")
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
             num_prefill=args.prefill,
             num_decode=args.decode,
             num_colocated=args.colocated,
+            num_mixed=args.mixed,
             policy=args.policy,
             profile=profile,
             slo=slo,

@@ -36,7 +36,8 @@ class SimConfig:
     concurrency: int | None = None
     num_prefill: int = 1
     num_decode: int = 1
-    num_colocated: int = 0  # > 0: an aggregated cluster of MIXED workers
+    num_colocated: int = 0  # > 0: an aggregated cluster of MIXED workers only
+    num_mixed: int = 0  # MIXED workers added to a prefill/decode cluster
     policy: str = "round_robin"
     policy_options: dict[str, Any] = field(default_factory=dict)
     profile: Profile | None = None  # None: the shipped tiny-cpu profile
@@ -139,7 +140,8 @@ def _roles(config: SimConfig) -> list[Role]:
         return [Role.MIXED] * config.num_colocated
     if config.num_prefill < 1 or config.num_decode < 1:
         raise WorkloadError("need --prefill >= 1 and --decode >= 1, or --colocated N")
-    return [Role.PREFILL] * config.num_prefill + [Role.DECODE] * config.num_decode
+    roles = [Role.PREFILL] * config.num_prefill + [Role.DECODE] * config.num_decode
+    return roles + [Role.MIXED] * config.num_mixed
 
 
 def _shares_prefixes(specs: list[RequestSpec]) -> bool:

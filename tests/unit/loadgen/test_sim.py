@@ -135,7 +135,8 @@ def test_every_policy_conserves_requests(policy: str) -> None:
         num_requests=200,
         seed=7,
     )
-    for shape in ({"num_prefill": 2, "num_decode": 2}, {"num_colocated": 3}):
+    shapes = ({"num_prefill": 2, "num_decode": 2}, {"num_colocated": 3}, {"num_mixed": 1})
+    for shape in shapes:
         cfg = SimConfig(
             workload=workload,
             rate=RateSpec(30.0),

@@ -130,3 +130,23 @@ def test_sharegpt(tmp_path: Path) -> None:
     specs = load_sharegpt(path)
     assert [(s.input_len, s.output_len) for s in specs] == [(5, 8), (5 + 1 + 8 + 1 + 4, 2)]
     assert specs[1].prompt == "hello\nhi there\nmore"
+
+
+class FakeTokenizer:
+    """Decodes each id to one space-separated word; vocab of 5000."""
+
+    vocab_size = 5000
+
+    def decode(self, token_ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in token_ids)
+
+
+def test_prompt_in_target_tokens_with_shared_prefix() -> None:
+    cfg = WorkloadConfig(input_len="40", output_len="5", num_requests=4, turns=2, block_size=16)
+    reqs = build_requests(cfg, RateSpec(1.0))
+    first, second = sorted((r for r in reqs if r.session_id == 0), key=lambda r: r.turn)
+    words0 = synthetic_prompt(first, FakeTokenizer()).split()
+    words1 = synthetic_prompt(second, FakeTokenizer()).split()
+    assert len(words0) == 40 and len(words1) == second.input_len
+    assert words1[:32] == words0[:32]  # two shared blocks of 16 tokens
+    assert all(1000 <= int(w[1:]) < 5000 for w in words0)  # special ids avoided
