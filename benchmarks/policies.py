@@ -97,12 +97,9 @@ def best_split(
     """(goodput, "P:D:mixed", the winning sweep, the winning prefill share)."""
     if policy == "aggregated":
         runs = sweep(policy, gpus, 0, duration_s, profile_name)
-        return (
-            goodput_at([(float(s["rate"]), s["slo_attainment"]) for s in runs]),
-            f"0:0:{gpus}",
-            runs,
-        )
-    best: tuple[float, str, list[dict[str, Any]]] = (-1.0, "", [])
+        points = [(float(s["rate"]), s["slo_attainment"]) for s in runs]
+        return goodput_at(points), f"0:0:{gpus}", runs, 0.0
+    best: tuple[float, str, list[dict[str, Any]], float] = (-1.0, "", [], 0.0)
     for share in shares:
         num_prefill = min(gpus - 1, max(1, round(share * gpus)))
         runs = sweep(policy, gpus, num_prefill, duration_s, profile_name)
@@ -140,6 +137,9 @@ def main() -> int:
             )
             winning_share[policy] = share
             results[policy] = (goodput, split)
+            print(
+                f"# {gpus} GPUs {policy} {split}: {goodput:.1f} req/s", file=sys.stderr, flush=True
+            )
             curves[f"{policy} ({split})"] = runs
         for policy, (goodput, split) in results.items():
             others = [g for p, (g, _) in results.items() if p != policy]
