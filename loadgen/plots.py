@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ def plot_over_time(records: Sequence[RequestRecord], path: Path) -> Path:
 
 
 def plot_attainment_vs_rate(
-    curves: dict[str, Sequence[dict[str, Any]]], path: Path, title: str = ""
+    curves: Mapping[str, Sequence[dict[str, Any]]], path: Path, title: str = ""
 ) -> Path:
     """One line per label over summaries of a rate sweep: attainment and goodput vs rate."""
     fig = Figure(figsize=(11, 4))
