@@ -113,6 +113,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="16,256", help="comma list of GPU counts")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
+    parser.add_argument("--max-requests", type=int, default=MAX_REQUESTS, help="cap per run")
+    parser.add_argument(
+        "--rates-per-gpu", default=None, help="comma list (default: the built-in grid)"
+    )
     parser.add_argument(
         "--prefill-shares",
         default=",".join(str(x) for x in PREFILL_SHARES),
@@ -124,6 +128,10 @@ def main() -> int:
     args = parser.parse_args()
     policies = args.policies.split(",") if args.policies else [*available_policies(), "aggregated"]
     shares = [float(x) for x in args.prefill_shares.split(",")]
+    global RATES_PER_GPU, MAX_REQUESTS
+    if args.rates_per_gpu:
+        RATES_PER_GPU = tuple(float(x) for x in args.rates_per_gpu.split(","))
+    MAX_REQUESTS = args.max_requests
     args.out.mkdir(parents=True, exist_ok=True)
     # Splits are searched at the first GPU count; larger counts reuse each policy's winner.
     winning_share: dict[str, float] = {}
