@@ -31,6 +31,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 from loadgen.arrivals import RateSpec  # noqa: E402
@@ -64,16 +65,25 @@ def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINM
     return best
 
 
+@dataclass(frozen=True)
+class Grid:
+    rates_per_gpu: tuple[float, ...]
+    duration_s: float  # seconds of arrivals per run
+    max_requests: int
+
+
 def sweep(
-    policy: str, gpus: int, num_prefill: int, duration_s: float, profile_name: str
+    policy: str, gpus: int, num_prefill: int, grid: Grid, profile_name: str
 ) -> list[dict[str, Any]]:
     out = []
-    for per_gpu in RATES_PER_GPU:
+    for per_gpu in grid.rates_per_gpu:
         config = SimConfig(
             workload=WorkloadConfig(
                 input_len=INPUT_LEN,
                 output_len=OUTPUT_LEN,
-                num_requests=min(MAX_REQUESTS, max(500, round(per_gpu * gpus * duration_s))),
+                num_requests=min(
+                    grid.max_requests, max(500, round(per_gpu * gpus * grid.duration_s))
+                ),
                 seed=0,
             ),
             rate=RateSpec(per_gpu * gpus),
@@ -92,17 +102,17 @@ def sweep(
 
 
 def best_split(
-    policy: str, gpus: int, shares: list[float], duration_s: float, profile_name: str
+    policy: str, gpus: int, shares: list[float], grid: Grid, profile_name: str
 ) -> tuple[float, str, list[dict[str, Any]], float]:
     """(goodput, "P:D:mixed", the winning sweep, the winning prefill share)."""
     if policy == "aggregated":
-        runs = sweep(policy, gpus, 0, duration_s, profile_name)
+        runs = sweep(policy, gpus, 0, grid, profile_name)
         points = [(float(s["rate"]), s["slo_attainment"]) for s in runs]
         return goodput_at(points), f"0:0:{gpus}", runs, 0.0
     best: tuple[float, str, list[dict[str, Any]], float] = (-1.0, "", [], 0.0)
     for share in shares:
         num_prefill = min(gpus - 1, max(1, round(share * gpus)))
-        runs = sweep(policy, gpus, num_prefill, duration_s, profile_name)
+        runs = sweep(policy, gpus, num_prefill, grid, profile_name)
         g = goodput_at([(float(s["rate"]), s["slo_attainment"]) for s in runs])
         if g > best[0]:
             best = (g, f"{num_prefill}:{gpus - num_prefill}:0", runs, share)
@@ -128,10 +138,13 @@ def main() -> int:
     args = parser.parse_args()
     policies = args.policies.split(",") if args.policies else [*available_policies(), "aggregated"]
     shares = [float(x) for x in args.prefill_shares.split(",")]
-    global RATES_PER_GPU, MAX_REQUESTS
-    if args.rates_per_gpu:
-        RATES_PER_GPU = tuple(float(x) for x in args.rates_per_gpu.split(","))
-    MAX_REQUESTS = args.max_requests
+    grid = Grid(
+        tuple(float(x) for x in args.rates_per_gpu.split(","))
+        if args.rates_per_gpu
+        else RATES_PER_GPU,
+        args.duration,
+        args.max_requests,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     # Splits are searched at the first GPU count; larger counts reuse each policy's winner.
     winning_share: dict[str, float] = {}
@@ -140,9 +153,7 @@ def main() -> int:
         curves: dict[str, list[dict[str, Any]]] = {}
         for policy in policies:
             tried = [winning_share[policy]] if policy in winning_share else shares
-            goodput, split, runs, share = best_split(
-                policy, gpus, tried, args.duration, args.profile
-            )
+            goodput, split, runs, share = best_split(policy, gpus, tried, grid, args.profile)
             winning_share[policy] = share
             results[policy] = (goodput, split)
             print(
