@@ -1,11 +1,27 @@
 """Baton's router: pure scheduling (no Ray, HTTP, torch or clock reads).
 
-``make_policy(name, **options).plan(profile, view, now_s) -> Plan | Reject``;
-the cost model, the past-future estimator, length classes and the P/D planner
-live in their own modules.
+``make_policy(name, **options).plan(profile, view, now_s) -> Plan | Reject``.
+
+Modules, one idea each:
+
+* ``types``: what the router reads and returns (profiles, views, plans, rejects);
+* ``policy`` / ``policies``: the registry and ``round_robin``, ``least_loaded``,
+  ``prefix_aware``, ``slo_goodput`` (the default);
+* ``cost_model``: profile JSON format, prefill/decode/transfer curves refitted online;
+* ``estimator``: the past-future KV peak estimator and the engine's admission rule;
+* ``length``: effective prefill length, short/long classes, per-class queue waits;
+* ``worker_table`` / ``prefix_index``: per-snapshot caches behind ``slo_goodput``;
+* ``reservations``: in-flight reservations the gateway adds to a view;
+* ``planner`` / ``cli_plan``: P/D pool sizing and role flips; ``baton plan``.
 """
 
-from router.policy import Policy, available_policies, make_policy, register_policy
+from router.policy import (
+    Policy,
+    available_policies,
+    make_policy,
+    make_policy_from_settings,
+    register_policy,
+)
 from router.types import (
     SLO,
     ClusterView,
@@ -35,5 +51,6 @@ __all__ = [
     "WorkerView",
     "available_policies",
     "make_policy",
+    "make_policy_from_settings",
     "register_policy",
 ]

@@ -213,7 +213,7 @@ class CostModel:
     profile: Profile
     window: int = 256
     decay: float = 0.995
-    prior_weight: float = 1.0
+    prior_weight: float = 0.01
     refit_every: int = 8
     error_window: int = 64
     ref_tokens: float = 512.0
@@ -223,6 +223,7 @@ class CostModel:
     _y: deque[float] = field(init=False, repr=False)
     _theta: np.ndarray = field(init=False, repr=False)
     _theta0: np.ndarray = field(init=False, repr=False)
+    _coeffs: tuple[QuadCoeffs, QuadCoeffs] = field(init=False, repr=False)
     _since_fit: int = field(default=0, init=False, repr=False)
     _prefill_err: _RollingMean = field(init=False, repr=False)
     _decode_err: _RollingMean = field(init=False, repr=False)
@@ -231,7 +232,7 @@ class CostModel:
     def __post_init__(self) -> None:
         p, d = self.profile.prefill, self.profile.decode
         self._theta0 = np.array([p.a, p.b, p.c, d.a, d.b, d.c], dtype=np.float64)
-        self._theta = self._theta0.copy()
+        self._set_theta(self._theta0.copy())
         self._x = deque(maxlen=self.window)
         self._y = deque(maxlen=self.window)
         self._prefill_err = _RollingMean(self.error_window)
@@ -261,33 +262,45 @@ class CostModel:
             self.refit()
 
     def refit(self) -> None:
-        """Weighted ridge least squares toward the profile over the window."""
+        """Weighted ridge least squares toward the profile over the window.
+
+        Residuals are relative (weight ``1/y²``): step noise is multiplicative, and
+        a 1 % wobble of an 8k-token prefill would otherwise swamp the fixed cost.
+        The prior penalises each term's change at the reference point relative to
+        the curve's time there, ``prior_weight`` steps' worth."""
         self._since_fit = 0
         if not self._y:
             return
         x = np.asarray(self._x, dtype=np.float64)
         y = np.asarray(self._y, dtype=np.float64)
-        weights = self.decay ** np.arange(len(y) - 1, -1, -1, dtype=np.float64)
-        xw = x * weights[:, None]
+        weights = self.decay ** np.arange(len(y) - 1, -1, -1, dtype=np.float64) / (y * y)
         ref = np.array(
             [1.0, self.ref_tokens, self.ref_tokens**2, 1.0, self.ref_seqs, self.ref_context]
         )
-        # Solve in columns scaled to the reference point so the system is well conditioned.
-        prior = self.prior_weight * np.ones(_NUM_FEATURES)
-        gram = (xw.T @ x) / np.outer(ref, ref) + np.diag(prior)
-        rhs = (xw.T @ y) / ref + prior * (self._theta0 * ref)
-        scaled = np.linalg.solve(gram, rhs)
-        self._theta = scaled / ref
+        at_ref = self._theta0 * ref
+        curve_s = np.repeat([at_ref[:3].sum(), at_ref[3:].sum()], 3)
+        prior = self.prior_weight / np.maximum(curve_s, 1e-12) ** 2
+        # Solve for theta·ref (columns scaled to the reference point): well conditioned.
+        xs = x / ref
+        xw = xs * weights[:, None]
+        gram = xw.T @ xs + np.diag(prior)
+        rhs = xw.T @ y + prior * at_ref
+        self._set_theta(np.linalg.solve(gram, rhs) / ref)
 
     # -- reading -----------------------------------------------------------------------
 
     @property
     def prefill_coeffs(self) -> QuadCoeffs:
-        return QuadCoeffs(*(float(v) for v in self._theta[:3]))
+        return self._coeffs[0]
 
     @property
     def decode_coeffs(self) -> QuadCoeffs:
-        return QuadCoeffs(*(float(v) for v in self._theta[3:]))
+        return self._coeffs[1]
+
+    def _set_theta(self, theta: np.ndarray) -> None:
+        self._theta = theta
+        a, b, c, da, db, dc = (float(v) for v in theta)
+        self._coeffs = (QuadCoeffs(a, b, c), QuadCoeffs(da, db, dc))
 
     @property
     def prefill_error(self) -> float:

@@ -100,21 +100,27 @@ def sample_output_lengths(
     max_tokens: np.ndarray,
     u: np.ndarray,
 ) -> np.ndarray:
-    """``L̂`` for each draw and request: ``u`` has shape (S, n) with values in [0, 1)."""
-    g = num_generated.astype(np.float64)
-    cap = np.maximum(max_tokens.astype(np.float64), g)
-    tail = g + u * (cap - g)  # outran all of H: only the cap bounds it
+    """``L̂`` for each draw and request: ``u`` has shape (S, n) with values in [0, 1).
+
+    The entries of sorted ``H`` longer than ``g`` are ``H[lo:]``; position
+    ``lo + u·(count − 1)`` in ``H``, interpolated linearly between neighbours, is
+    the inverse CDF of that conditional set (one entry: that entry)."""
+    g = np.asarray(num_generated, dtype=np.float64)
+    cap = np.maximum(np.asarray(max_tokens, dtype=np.float64), g)
     m = len(sorted_lengths)
-    if m == 0:
-        return tail
     lo = np.searchsorted(sorted_lengths, g, side="right")  # first entry longer than g
     count = m - lo
+    if m == 0 or count.min(initial=1) == 0:
+        tail = g + u * (cap - g)  # outran all of H: only the cap bounds it
+        if m == 0:
+            return tail
+    else:
+        tail = None
     pos = lo + u * np.maximum(count - 1, 0)
-    j = np.minimum(pos.astype(np.intp), m - 1)
-    j1 = np.minimum(j + 1, m - 1)
-    left = sorted_lengths[j]
-    drawn = left + (pos - j) * (sorted_lengths[j1] - left)
-    return np.minimum(np.where(count > 0, drawn, tail), cap)
+    drawn = np.interp(pos, np.arange(m), sorted_lengths)
+    if tail is not None:
+        drawn = np.where(count > 0, drawn, tail)
+    return np.minimum(drawn, cap)
 
 
 def remaining_tokens(

@@ -8,6 +8,8 @@ past-future peak of the running set (a ``PeakTable``), the memory limits. A new
 (telemetry arrives one worker at a time, reservations touch one worker), so
 ``sync`` compares snapshots by identity and recomputes only the rows that
 changed. A request then costs a few vectorised numpy operations over the rows.
+``SloGoodput.refresh(view)`` runs the sync when telemetry arrives, off the
+request path.
 
 The output-length history used for new rows is whatever was current when the
 row was built; every worker reports at least every 100 ms, so rows follow it.
@@ -15,6 +17,7 @@ row was built; every worker reports at least every 100 ms, so rows follow it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +27,7 @@ from router.cost_model import CostModel, Profile
 from router.estimator import PeakTable, remaining_tokens
 from router.length import SplitMode, long_pool, queue_wait_s
 from router.prefix_index import PrefixIndex
-from router.types import ClusterView, LengthClass, Role, WorkerView
+from router.types import ClusterView, LengthClass, Role, RunningRequest, WorkerView
 
 __all__ = ["TableSettings", "WorkerTable"]
 
@@ -57,6 +60,7 @@ class WorkerTable:
         self._cost_model_for = cost_model_for
         self._rng = rng
         self._last_step_end_s: dict[str, float] = {}
+        self._peak_cache: dict[str, tuple[tuple[RunningRequest, ...], np.ndarray, PeakTable]] = {}
         self.sorted_history: np.ndarray = np.zeros(0)
         self.workers: tuple[WorkerView, ...] | None = None
         self.prefix_index = PrefixIndex()
@@ -100,7 +104,9 @@ class WorkerTable:
         if old is None or len(new) != len(old):
             self._rebuild(new)
             return
-        changed = [i for i, (a, b) in enumerate(zip(new, old)) if a is not b]
+        # Identity, not equality: a snapshot is a new object whenever anything in it moved.
+        moved = np.fromiter(map(operator.is_not, new, old), dtype=bool, count=len(new))
+        changed = np.flatnonzero(moved).tolist()
         for i in changed:
             if new[i].worker_id != old[i].worker_id or new[i].role != old[i].role:
                 self._rebuild(new)
@@ -144,8 +150,7 @@ class WorkerTable:
         self.wait_short_s[i] = short_s * p_margin
         self.wait_long_s[i] = long_s * p_margin
 
-        held = [r.num_tokens_held for r in w.running]
-        held_total = float(sum(held))
+        held_total = float(sum(r.num_tokens_held for r in w.running))
         num_running = len(w.running)
         dec = model.decode_coeffs
         d_margin = 1.0 + (model.decode_error if s.use_error_margin else 0.0)
@@ -163,7 +168,7 @@ class WorkerTable:
         self.batch_limit_tokens[i] = s.batch_memory_fraction * capacity - other
 
         if w.role is Role.DECODE or w.role in s.colocate_roles:
-            table = self._peak_table(w, held)
+            table = self._peak_table(w)
             self.tables[i] = table
             self.peak_tokens[i] = table.peak_tokens
         else:
@@ -189,13 +194,22 @@ class WorkerTable:
         self.batch_decode_ok[i] = seat and decode and peak < batch_limit
         self.batch_coloc_ok[i] = seat and coloc and peak < batch_limit
 
-    def _peak_table(self, w: WorkerView, held: list[int]) -> PeakTable:
+    def _peak_table(self, w: WorkerView) -> PeakTable:
+        """Reused while the running set is the same object and H has not changed
+        (a snapshot that only moved queues or free blocks)."""
+        cached = self._peak_cache.get(w.worker_id)
+        if cached is not None and cached[0] is w.running and cached[1] is self.sorted_history:
+            return cached[2]
         n = len(w.running)
-        gen = np.fromiter((r.num_generated for r in w.running), dtype=np.float64, count=n)
-        cap = np.fromiter((r.max_tokens for r in w.running), dtype=np.float64, count=n)
+        rows = np.array(
+            [(r.num_tokens_held, r.num_generated, r.max_tokens) for r in w.running],
+            dtype=np.float64,
+        ).reshape(n, 3)
         u = self._rng.random((self.settings.num_draws, n))
-        r = remaining_tokens(self.sorted_history, gen, cap, u)
-        return PeakTable(r, np.asarray(held, dtype=np.float64))
+        r = remaining_tokens(self.sorted_history, rows[:, 1], rows[:, 2], u)
+        table = PeakTable(r, rows[:, 0])
+        self._peak_cache[w.worker_id] = (w.running, self.sorted_history, table)
+        return table
 
     def _ingest_steps(self, w: WorkerView, model: CostModel) -> None:
         last = self._last_step_end_s.get(w.worker_id, -np.inf)

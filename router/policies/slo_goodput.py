@@ -41,6 +41,7 @@ import numpy as np
 from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, load_profile
 from router.estimator import OutputLengthHistory, sample_output_lengths
 from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
+from router.planner import RolePressure
 from router.policy import register_policy
 from router.types import (
     SLO,
@@ -66,7 +67,7 @@ class SloGoodput:
     name: str = "slo_goodput"
     profile: Profile | str | None = None  # a Profile, a profile JSON path, or the default
     default_slo: SLO = _DEFAULT_SLO
-    split_mode: str = "temporal"
+    length_split: str = "temporal"  # or "spatial" (RouterConfig.length_split)
     length_threshold_tokens: int | None = None
     memory_fraction: float = 0.95
     batch_memory_fraction: float = 0.8
@@ -103,7 +104,7 @@ class SloGoodput:
         rng = np.random.default_rng(self.seed)
         settings = TableSettings(
             profile=self._profile,
-            split_mode=SplitMode(self.split_mode),
+            split_mode=SplitMode(self.length_split),
             memory_fraction=self.memory_fraction,
             batch_memory_fraction=self.batch_memory_fraction,
             colocate_roles=tuple(self.colocate_roles),
@@ -129,6 +130,32 @@ class SloGoodput:
         """Feed a step directly (telemetry with ``end_s`` set is also read from the view)."""
         self.cost_model(worker_id).observe(sample)
 
+    def refresh(self, view: ClusterView) -> None:
+        """Bring the per-worker rows up to ``view`` now (e.g. when telemetry arrives),
+        so that the next ``plan`` on this view pays only for the decision."""
+        lengths = view.recent_output_lens
+        if lengths is not self._history_source and lengths != self._history_source:
+            self._refresh_history(lengths)
+        self._table.sync(view)
+
+    def pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
+        """Each role's load against its target, averaged over its usable workers, for
+        the ratio planner: prefill TTFT of a typical prompt behind today's queues,
+        decode estimated peak KV fraction and step time with one more request."""
+        self.refresh(view)
+        t = self._table
+        prefill, decode = t.is_role(Role.PREFILL), t.is_role(Role.DECODE)
+        n = mean_prompt_tokens
+        ttft_s = t.wait_long_s + t.pa + n * (t.pb + n * t.pc)
+        slo = self.default_slo
+        return RolePressure(
+            predicted_ttft_s=float(ttft_s[prefill].mean()) if prefill.any() else 0.0,
+            ttft_target_s=slo.ttft_s or math.inf,
+            decode_peak_fraction=float(t.fullness[decode].mean()) if decode.any() else 0.0,
+            predicted_tpot_s=float(t.step_base_s[decode].mean()) if decode.any() else 0.0,
+            tpot_target_s=slo.tpot_s or math.inf,
+        )
+
     @property
     def length_threshold(self) -> float:
         return self._classifier.threshold_tokens
@@ -145,19 +172,19 @@ class SloGoodput:
         sorted_h = history.sorted_lengths()
         self._table.sorted_history = sorted_h
         # A new request has generated nothing: draw from all of H; the cap is applied per request.
-        zeros = np.zeros(self.num_draws)
-        uncapped = np.full(self.num_draws, float(sorted_h[-1]) + 1.0)
-        self._ring = np.stack(
-            [sample_output_lengths(sorted_h, zeros, uncapped, u) for u in self._ring_u]
-        )
+        u = self._ring_u.reshape(1, -1)
+        zeros = np.zeros(u.shape[1])
+        uncapped = np.full(u.shape[1], float(sorted_h[-1]) + 1.0)
+        drawn = sample_output_lengths(sorted_h, zeros, uncapped, u)
+        self._ring = drawn.reshape(self._ring_u.shape)
 
     # -- deciding ----------------------------------------------------------------------
 
     def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan | Reject:
-        if view.recent_output_lens is not self._history_source:
-            self._refresh_history(view.recent_output_lens)
+        self.refresh(view)
         t = self._table
-        t.sync(view)
+        if not view.workers:
+            return Reject("no live worker", retry_after_s=self.min_retry_after_s)
         batch = profile.priority is Priority.BATCH
         headroom = self.batch_slo_headroom if batch else 1.0
         ttft_s = profile.slo.ttft_s or self.default_slo.ttft_s
@@ -224,7 +251,7 @@ class SloGoodput:
 
     def _prefill_penalty(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray:
         """0 on the prefill workers this request may use, inf elsewhere."""
-        if self.split_mode != SplitMode.SPATIAL:
+        if self.length_split != SplitMode.SPATIAL:
             return t.prefill_penalty
         pool = np.where(t.in_long_pool == is_long, t.prefill_penalty, np.inf)
         return pool if np.isfinite(pool).any() else t.prefill_penalty
@@ -237,8 +264,10 @@ class SloGoodput:
         matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
         total = profile.num_prompt_tokens + profile.num_image_tokens
         n = np.full(len(t.role), float(total))
-        for i, blocks in matched.items():
-            n[i] = max(1.0, total - blocks * t.block_size[i])
+        if matched:
+            index = np.fromiter(matched.keys(), dtype=np.intp, count=len(matched))
+            blocks = np.fromiter(matched.values(), dtype=np.float64, count=len(matched))
+            n[index] = np.maximum(1.0, total - blocks * t.block_size[index])
         return n
 
     def _encode(self, profile: RequestProfile) -> tuple[float, str | None]:

@@ -1,0 +1,37 @@
+"""``baton plan``: size prefill and decode pools for a target rate, offline.
+
+Prints one JSON object (``PoolPlan.to_dict`` plus the inputs) on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from router.cost_model import DEFAULT_PROFILE, load_profile
+from router.planner import WorkloadStats, plan_pools
+from router.types import SLO
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate", type=float, required=True, help="requests per second")
+    parser.add_argument(
+        "--profile", default=None, help="cost-model profile JSON (default: built-in)"
+    )
+    parser.add_argument("--prompt-tokens", type=float, default=1024.0, help="mean prompt length")
+    parser.add_argument("--output-tokens", type=float, default=256.0, help="mean output length")
+    parser.add_argument("--prefix-hit-tokens", type=float, default=0.0, help="mean cached prefix")
+    parser.add_argument("--ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--tpot-ms", type=float, default=200.0)
+    parser.add_argument("--utilization", type=float, default=0.8, help="max prefill load ρ")
+
+
+def run(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile) if args.profile else DEFAULT_PROFILE
+    workload = WorkloadStats(args.prompt_tokens, args.output_tokens, args.prefix_hit_tokens)
+    slo = SLO(ttft_s=args.ttft_ms / 1e3, tpot_s=args.tpot_ms / 1e3)
+    plan = plan_pools(args.rate, profile, workload, slo, max_utilization=args.utilization)
+    print(json.dumps({"rate_per_s": args.rate, "model": profile.model, **plan.to_dict()}))
+    return 0

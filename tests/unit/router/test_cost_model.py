@@ -1,0 +1,131 @@
+"""Cost model: profile format, online refit recovering known coefficients, error tracking."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from router.cost_model import (
+    DEFAULT_PROFILE,
+    CostModel,
+    Prediction,
+    Profile,
+    QuadCoeffs,
+    load_profile,
+    prefill_knee_tokens,
+    save_profile,
+)
+from router.types import StepSample
+
+TRUE_PREFILL = QuadCoeffs(a=0.02, b=2.0e-4, c=3.0e-8)
+TRUE_DECODE = QuadCoeffs(a=0.01, b=3.0e-4, c=5.0e-8)
+
+
+def synthetic_steps(count: int, seed: int = 0, noise: float = 0.01) -> list[StepSample]:
+    rng = random.Random(seed)
+    steps = []
+    for k in range(count):
+        if k % 2 == 0:
+            n = rng.randint(16, 8192)
+            t = TRUE_PREFILL.a + TRUE_PREFILL.b * n + TRUE_PREFILL.c * n * n
+            sample = StepSample(t * (1 + rng.gauss(0, noise)), n, 0, 0, end_s=float(k))
+        else:
+            batch = rng.randint(1, 128)
+            context = batch * rng.randint(100, 3000)
+            t = TRUE_DECODE.a + TRUE_DECODE.b * batch + TRUE_DECODE.c * context
+            sample = StepSample(t * (1 + rng.gauss(0, noise)), 0, batch, context, end_s=float(k))
+        steps.append(sample)
+    return steps
+
+
+def _close(fitted: QuadCoeffs, true: QuadCoeffs, rel: float) -> None:
+    for name in "abc":
+        assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=rel), name
+
+
+def test_fit_recovers_known_coefficients_within_5_percent() -> None:
+    model = CostModel(DEFAULT_PROFILE)  # seeded far from the truth
+    with pytest.raises(AssertionError):
+        _close(model.prefill_coeffs, TRUE_PREFILL, 0.05)
+    for sample in synthetic_steps(600):
+        model.observe(sample)
+    model.refit()
+    _close(model.prefill_coeffs, TRUE_PREFILL, 0.05)
+    _close(model.decode_coeffs, TRUE_DECODE, 0.05)
+
+
+def test_prediction_error_is_tracked_and_shrinks_after_the_fit() -> None:
+    model = CostModel(DEFAULT_PROFILE, error_window=32)
+    steps = synthetic_steps(600)
+    for sample in steps[:6]:  # before the first refit
+        model.observe(sample)
+    early = model.prefill_error
+    for sample in steps[6:]:
+        model.observe(sample)
+    assert early > 0.2  # the seed profile is a different machine
+    assert model.prefill_error < 0.05 and model.decode_error < 0.05
+    pred = model.predict_prefill(1000)
+    assert isinstance(pred, Prediction)
+    assert pred.value_s == pytest.approx(model.prefill_s(1000))
+    assert pred.upper_s == pytest.approx(pred.value_s * (1 + model.prefill_error))
+
+
+def test_few_samples_stay_near_the_seed() -> None:
+    model = CostModel(DEFAULT_PROFILE)
+    for sample in synthetic_steps(4):
+        model.observe(sample)
+    model.refit()
+    # Decode saw two steps only: the ridge prior keeps it on the profile's scale.
+    seed = DEFAULT_PROFILE.decode
+    assert model.decode_coeffs.a == pytest.approx(seed.a, rel=0.5)
+
+
+def test_curves_and_transfer() -> None:
+    p = replace(
+        DEFAULT_PROFILE,
+        prefill=QuadCoeffs(0.01, 1e-4, 1e-8),
+        decode=QuadCoeffs(0.005, 1e-4, 1e-7),
+    )
+    model = CostModel(p)
+    assert model.prefill_s(1000) == pytest.approx(0.01 + 0.1 + 0.01)
+    assert model.prefill_s(0) == 0.0
+    assert model.decode_step_s(10, 5000) == pytest.approx(0.005 + 0.001 + 0.0005)
+    link = p.transfer
+    expected = 1e9 / link.bandwidth_bytes_per_s + link.latency_s
+    assert model.transfer_s(1e9) == pytest.approx(expected)
+    assert model.transfer_s(1e9, bandwidth_bytes_per_s=1e10) == pytest.approx(0.1 + link.latency_s)
+
+
+def test_profile_round_trip_and_missing_field(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    save_profile(DEFAULT_PROFILE, path)
+    assert load_profile(path) == DEFAULT_PROFILE
+    data = json.loads(path.read_text())
+    del data["encode"]  # optional
+    assert Profile.from_dict(data).encode.a == 0.0
+    del data["decode"]
+    with pytest.raises(ValueError, match="decode"):
+        Profile.from_dict(data)
+
+
+def test_knee_is_where_token_time_equals_fixed_time() -> None:
+    assert prefill_knee_tokens(QuadCoeffs(0.02, 1e-4, 0.0)) == pytest.approx(200)
+    n = prefill_knee_tokens(QuadCoeffs(0.02, 1e-4, 1e-7))
+    assert 1e-4 * n + 1e-7 * n * n == pytest.approx(0.02)
+    assert n < 200
+
+
+SHIPPED = sorted((Path(__file__).parents[3] / "loadgen" / "profiles").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_profiles_parse_and_are_physical(path: Path) -> None:
+    profile = load_profile(path)
+    model = CostModel(profile)
+    assert model.prefill_s(2048) > model.prefill_s(16) > 0
+    assert model.decode_step_s(64, 64 * 1024) > model.decode_step_s(1, 1024) > 0
+    assert profile.kv_bytes_per_token > 0 and profile.transfer.bandwidth_bytes_per_s > 0

@@ -1,0 +1,84 @@
+"""Length classes: knee default, bounded adaptation, per-class queue waits, spatial pools."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.cost_model import QuadCoeffs
+from router.length import (
+    LengthClassifier,
+    SplitMode,
+    effective_prefill_tokens,
+    long_pool,
+    queue_wait_s,
+)
+from router.types import LengthClass, RequestProfile
+
+FLAT_THEN_LINEAR = QuadCoeffs(a=0.02, b=1e-4, c=0.0)  # knee at 200 tokens
+
+
+def test_default_threshold_is_the_knee_and_splits_there() -> None:
+    cls = LengthClassifier(FLAT_THEN_LINEAR)
+    assert cls.threshold_tokens == pytest.approx(200)
+    assert cls.classify(199) is LengthClass.SHORT
+    assert cls.classify(200) is LengthClass.LONG
+
+
+def test_fixed_threshold_does_not_adapt() -> None:
+    cls = LengthClassifier(FLAT_THEN_LINEAR, threshold_tokens=64)
+    for _ in range(100):
+        cls.observe(10_000)
+    assert cls.threshold_tokens == 64
+
+
+def test_threshold_tracks_the_quantile_of_traffic_within_bounds() -> None:
+    rng = random.Random(0)
+    cls = LengthClassifier(FLAT_THEN_LINEAR, quantile=0.8, step=0.02)
+    # Uniform 1..500: the 0.8 quantile is 400, inside [50, 800].
+    for _ in range(20_000):
+        cls.observe(rng.randint(1, 500))
+    assert cls.threshold_tokens == pytest.approx(400, rel=0.1)
+    # All-short traffic pulls θ down, but never below knee / 4.
+    for _ in range(5_000):
+        cls.observe(5)
+    assert cls.threshold_tokens == pytest.approx(50)
+    # All-long traffic: never above knee × 4.
+    for _ in range(5_000):
+        cls.observe(100_000)
+    assert cls.threshold_tokens == pytest.approx(800)
+
+
+def test_effective_length_subtracts_the_prefix_hit_and_adds_images() -> None:
+    p = RequestProfile(
+        "r", num_prompt_tokens=1000, num_new_tokens=300, max_tokens=8, num_image_tokens=50
+    )
+    assert effective_prefill_tokens(p) == 350  # the gateway's predicted hit
+    assert effective_prefill_tokens(p, hit_tokens=960) == 90  # a worker's own hit
+    assert effective_prefill_tokens(p, hit_tokens=5000) == 1  # never nothing to compute
+
+
+def test_temporal_queues_let_short_requests_skip_long_work() -> None:
+    tokens = {LengthClass.SHORT: 100, LengthClass.LONG: 8000}
+    counts = {LengthClass.SHORT: 2, LengthClass.LONG: 1}
+    short_wait = 2 * 0.02 + 1e-4 * 100
+    long_wait = short_wait + 0.02 + 1e-4 * 8000
+    q = FLAT_THEN_LINEAR
+    assert queue_wait_s(q, tokens, counts, LengthClass.SHORT, SplitMode.TEMPORAL) == pytest.approx(
+        short_wait
+    )
+    assert queue_wait_s(q, tokens, counts, LengthClass.LONG, SplitMode.TEMPORAL) == pytest.approx(
+        long_wait
+    )
+    # A worker of a spatially split pool serves its queue first come, first served.
+    assert queue_wait_s(q, tokens, counts, LengthClass.SHORT, SplitMode.SPATIAL) == pytest.approx(
+        long_wait
+    )
+
+
+def test_long_pool_keeps_both_classes_served() -> None:
+    ids = [f"p{i}" for i in range(8)]
+    assert long_pool(ids, 0.25) == {"p6", "p7"}
+    assert long_pool(ids[:2], 0.9) == {"p1"}  # at least one short worker stays
+    assert long_pool(ids[:2], 0.0) == {"p1"}  # and at least one long one

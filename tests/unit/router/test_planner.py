@@ -1,0 +1,103 @@
+"""P/D ratio planner: sizing by hand, flips with hysteresis and one per interval, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from router import cli_plan
+from router.cost_model import save_profile
+from router.planner import Flip, RatioPlanner, RolePressure, WorkloadStats, plan_pools, size_pools
+from router.types import SLO
+from tests.unit.router.builders import PROFILE
+
+WORKLOAD = WorkloadStats(mean_prompt_tokens=1000, mean_output_tokens=100)
+
+
+def test_sizing_by_hand() -> None:
+    # Prefill D = 0.11 s: 20/s × 0.11 / 0.8 -> 3 workers; M/D/1 at 6.67/s each:
+    # 0.11 + 6.67·0.0121 / (2·0.267) = 0.261 s, plus 0.101 s transfer.
+    # Decode: memory caps B at ⌊15200 / 1100⌋ = 13 (TPOT would allow 48);
+    # step 0.01 + 13·(1e-4 + 1050e-7) = 0.012665 s; 20·100·0.012665 / 13 -> 2 workers.
+    plan = plan_pools(20.0, PROFILE, WORKLOAD, SLO(ttft_s=1.0, tpot_s=0.02))
+    assert (plan.num_prefill, plan.num_decode) == (3, 2)
+    assert plan.predicted_ttft_s == pytest.approx(
+        0.11 + 20 / 3 * 0.0121 / (2 * (1 - 20 / 3 * 0.11)) + 0.101
+    )
+    assert plan.decode_batch == 13
+    assert plan.decode_step_s == pytest.approx(0.012665)
+
+
+def test_tighter_ttft_needs_more_prefill_and_tighter_tpot_smaller_batches() -> None:
+    assert size_pools(20.0, PROFILE, WORKLOAD, SLO(ttft_s=0.3, tpot_s=0.02)) == (4, 2)
+    # TPOT 0.0115 s: 0.01 + B·2.05e-4 <= 0.0115 -> B = 7; 20·100·0.011435/7 -> 4 workers.
+    plan = plan_pools(20.0, PROFILE, WORKLOAD, SLO(ttft_s=1.0, tpot_s=0.0115))
+    assert (plan.decode_batch, plan.num_decode) == (7, 4)
+
+
+def test_prefix_hits_shrink_the_prefill_pool() -> None:
+    cached = WorkloadStats(1000, 100, mean_prefix_hit_tokens=900)  # D = 0.02 s
+    assert size_pools(20.0, PROFILE, cached, SLO(1.0, 0.02))[0] == 1
+
+
+def _pressure(ttft_ratio: float, decode_ratio: float) -> RolePressure:
+    return RolePressure(ttft_ratio, 1.0, decode_ratio, 0.0, 1.0)
+
+
+def test_flip_toward_the_pressed_role_once_per_interval() -> None:
+    planner = RatioPlanner(interval_s=10.0, hysteresis=0.1)
+    # Prefill at 1.5× its target, decode at 0.3: moving one of 4 decoders helps.
+    assert planner.decide(0.0, _pressure(1.5, 0.3), 2, 4) is Flip.DECODE_TO_PREFILL
+    assert planner.decide(5.0, _pressure(1.5, 0.3), 3, 3) is Flip.NONE  # same interval
+    assert planner.decide(10.0, _pressure(0.2, 1.4), 3, 3) is Flip.PREFILL_TO_DECODE
+
+
+def test_no_flip_inside_the_hysteresis_band_or_that_empties_a_pool() -> None:
+    planner = RatioPlanner(hysteresis=0.1)
+    # 0.9 vs 0.8 on 4+4: after a flip max(0.72, 1.07) is worse.
+    assert planner.decide(0.0, _pressure(0.9, 0.8), 4, 4) is Flip.NONE
+    assert planner.decide(0.0, _pressure(3.0, 0.1), 1, 1) is Flip.NONE
+
+
+def test_cli_prints_the_plan(tmp_path, capsys) -> None:
+    path = tmp_path / "p.json"
+    save_profile(PROFILE, path)
+    parser = argparse.ArgumentParser()
+    cli_plan.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--rate",
+            "20",
+            "--profile",
+            str(path),
+            "--prompt-tokens",
+            "1000",
+            "--output-tokens",
+            "100",
+            "--ttft-ms",
+            "1000",
+            "--tpot-ms",
+            "20",
+        ]
+    )
+    assert cli_plan.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["num_prefill"], out["num_decode"]) == (3, 2)
+
+
+def test_pressure_from_a_view_drives_the_flip() -> None:
+    from router.types import Role
+    from tests.unit.router.builders import busy, policy, view, worker
+
+    pol = policy()
+    # Two prefill workers with 8000 queued tokens each: 0.81 s wait + 0.11 s for a
+    # 1000-token prompt = 0.92 of the 1 s target. Four near-idle decoders at 0.51.
+    # A flip: max(0.92·2/3, 0.51·4/3) = 0.68 < 0.92 - 0.05.
+    prefill = [worker(f"p{i}", Role.PREFILL, short_tokens=8000, short_requests=1) for i in range(2)]
+    decode = [worker(f"d{i}", Role.DECODE, busy(1, 100)) for i in range(4)]
+    pressure = pol.pressure(view(*prefill, *decode), mean_prompt_tokens=1000)
+    assert pressure.prefill == pytest.approx(0.92)
+    assert pressure.decode == pytest.approx((0.01 + 2e-4 + 1e-5) / 0.02)  # TPOT dominates
+    assert RatioPlanner(hysteresis=0.05).decide(0.0, pressure, 2, 4) is Flip.DECODE_TO_PREFILL
