@@ -1,0 +1,191 @@
+"""Goodput of every router policy and of aggregated serving, simulated (``make bench-policies``).
+
+Same mixed-length workload, same SLO, same GPU count for everyone. For each
+GPU count and policy we sweep the arrival rate, take the rate at which SLO
+attainment crosses 90% (linear interpolation between grid points) as the
+goodput, and keep the best prefill:decode split of the ones tried (the
+aggregated baseline has no split: every GPU is a mixed worker with chunked
+prefill). The split is searched at the first GPU count and scaled to the
+others. Prints one JSON object per (GPU count, policy)::
+
+    {"gpus", "policy", "goodput", "goodput_per_gpu", "split", "best_baseline", "vs_best_baseline"}
+
+``best_baseline`` is the best goodput among the other policies and
+``aggregated`` in this same run. Saves ``attainment_vs_rate_<gpus>.png``.
+
+Each run sends ``--duration`` seconds of Poisson arrivals, capped at
+MAX_REQUESTS requests: at 256 GPUs the cap shortens runs to about a second of
+arrivals, so queues have less time to build and attainment near the knee is
+optimistic for every policy alike.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this folder leads sys.path and benchmarks/router.py would shadow the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from loadgen.arrivals import RateSpec  # noqa: E402
+from loadgen.metrics import GoodputSLO  # noqa: E402
+from loadgen.plots import plot_attainment_vs_rate  # noqa: E402
+from loadgen.scenario import WorkloadConfig  # noqa: E402
+from loadgen.sim import SimConfig, simulate  # noqa: E402
+from loadgen.sim.profile import load_profile  # noqa: E402
+from router.policy import available_policies  # noqa: E402
+
+TARGET_ATTAINMENT = 0.9
+MAX_REQUESTS = 12000  # per simulated run: bounds the 256-GPU runs' time (see caveat above)
+INPUT_LEN = "mix:0.9*uniform:32-256,0.1*uniform:2000-6000"
+OUTPUT_LEN = "uniform:16-256"
+SLO = GoodputSLO(ttft_ms=500, tpot_ms=25)
+RATES_PER_GPU = (16.0, 32.0, 40.0, 48.0, 56.0, 64.0, 80.0, 96.0)
+PREFILL_SHARES = (0.5, 0.625, 0.75)
+
+
+def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINMENT) -> float:
+    """Highest rate with attainment >= target, interpolated to the first crossing."""
+    points = sorted(points)
+    best = 0.0
+    for (r0, a0), (r1, a1) in itertools.pairwise(points):
+        if a0 >= target > a1:
+            return r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
+        if a0 >= target:
+            best = r0
+    if points and points[-1][1] >= target:
+        best = points[-1][0]
+    return best
+
+
+@dataclass(frozen=True)
+class Grid:
+    rates_per_gpu: tuple[float, ...]
+    duration_s: float  # seconds of arrivals per run
+    max_requests: int
+
+
+def sweep(
+    policy: str, gpus: int, num_prefill: int, grid: Grid, profile_name: str
+) -> list[dict[str, Any]]:
+    out = []
+    for per_gpu in grid.rates_per_gpu:
+        config = SimConfig(
+            workload=WorkloadConfig(
+                input_len=INPUT_LEN,
+                output_len=OUTPUT_LEN,
+                num_requests=min(
+                    grid.max_requests, max(500, round(per_gpu * gpus * grid.duration_s))
+                ),
+                seed=0,
+            ),
+            rate=RateSpec(per_gpu * gpus),
+            num_prefill=num_prefill,
+            num_decode=gpus - num_prefill,
+            num_colocated=gpus if policy == "aggregated" else 0,
+            policy="round_robin" if policy == "aggregated" else policy,
+            profile=load_profile(profile_name),
+            slo=SLO,
+        )
+        summary = simulate(config).summary
+        out.append(summary)
+        if summary["slo_attainment"] < 0.5:  # far past the knee: higher rates only cost time
+            break
+    return out
+
+
+def best_split(
+    policy: str, gpus: int, shares: list[float], grid: Grid, profile_name: str
+) -> tuple[float, str, list[dict[str, Any]], float]:
+    """(goodput, "P:D:mixed", the winning sweep, the winning prefill share)."""
+    if policy == "aggregated":
+        runs = sweep(policy, gpus, 0, grid, profile_name)
+        points = [(float(s["rate"]), s["slo_attainment"]) for s in runs]
+        return goodput_at(points), f"0:0:{gpus}", runs, 0.0
+    best: tuple[float, str, list[dict[str, Any]], float] = (-1.0, "", [], 0.0)
+    for share in shares:
+        num_prefill = min(gpus - 1, max(1, round(share * gpus)))
+        runs = sweep(policy, gpus, num_prefill, grid, profile_name)
+        g = goodput_at([(float(s["rate"]), s["slo_attainment"]) for s in runs])
+        if g > best[0]:
+            best = (g, f"{num_prefill}:{gpus - num_prefill}:0", runs, share)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="16,256", help="comma list of GPU counts")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
+    parser.add_argument("--max-requests", type=int, default=MAX_REQUESTS, help="cap per run")
+    parser.add_argument(
+        "--rates-per-gpu", default=None, help="comma list (default: the built-in grid)"
+    )
+    parser.add_argument(
+        "--prefill-shares",
+        default=",".join(str(x) for x in PREFILL_SHARES),
+        help="shares of GPUs given to prefill to try per policy (best is kept)",
+    )
+    parser.add_argument("--profile", default="llama3-8b-h100")
+    parser.add_argument("--policies", default=None, help="comma list (default: all + aggregated)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/policies"))
+    args = parser.parse_args()
+    policies = args.policies.split(",") if args.policies else [*available_policies(), "aggregated"]
+    shares = [float(x) for x in args.prefill_shares.split(",")]
+    grid = Grid(
+        tuple(float(x) for x in args.rates_per_gpu.split(","))
+        if args.rates_per_gpu
+        else RATES_PER_GPU,
+        args.duration,
+        args.max_requests,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Splits are searched at the first GPU count; larger counts reuse each policy's winner.
+    winning_share: dict[str, float] = {}
+    for gpus in (int(g) for g in args.gpus.split(",")):
+        results: dict[str, tuple[float, str]] = {}
+        curves: dict[str, list[dict[str, Any]]] = {}
+        for policy in policies:
+            tried = [winning_share[policy]] if policy in winning_share else shares
+            goodput, split, runs, share = best_split(policy, gpus, tried, grid, args.profile)
+            winning_share[policy] = share
+            results[policy] = (goodput, split)
+            print(
+                f"# {gpus} GPUs {policy} {split}: {goodput:.1f} req/s", file=sys.stderr, flush=True
+            )
+            curves[f"{policy} ({split})"] = runs
+        for policy, (goodput, split) in results.items():
+            others = [g for p, (g, _) in results.items() if p != policy]
+            baseline = max(others, default=0.0)
+            print(
+                json.dumps(
+                    {
+                        "gpus": gpus,
+                        "policy": policy,
+                        "goodput": round(goodput, 2),
+                        "goodput_per_gpu": round(goodput / gpus, 3),
+                        "split": split,  # prefill:decode:mixed
+                        "best_baseline": round(baseline, 2),
+                        "vs_best_baseline": round(goodput / baseline, 3) if baseline else None,
+                        "slo_ms": SLO.as_dict(),
+                        "profile": args.profile,
+                    }
+                ),
+                flush=True,
+            )
+        plot_attainment_vs_rate(
+            curves,
+            args.out / f"attainment_vs_rate_{gpus}.png",
+            title=f"{gpus} GPUs, {args.profile}, TTFT<={SLO.ttft_ms:g}ms TPOT<={SLO.tpot_ms:g}ms",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""``baton bench``: load-test a running OpenAI-compatible server, or compare two runs.
+
+Each point of a sweep (``--rate 1,2,4`` or ``--concurrency 1,8``) is one run
+folder under ``--out``; the sweep adds ``sweep.json`` and an
+attainment/goodput-vs-rate plot. ``--compare DIR_A DIR_B`` prints two
+summaries side by side and sends nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import cast
+
+import httpx
+
+from loadgen.client import BenchConfig, run_bench
+from loadgen.console import ProgressBar
+from loadgen.flags import add_workload_arguments, slo_from_args, sweep_from_args, workload_from_args
+from loadgen.report import compare_table, format_table, load_summary, write_run, write_sweep
+from loadgen.scenario import Tokenizer
+from loadgen.workload import WorkloadError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer folder of the target model: prompt lengths in its tokens "
+        "(default: approximate, one character per token)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--compare", nargs=2, type=Path, metavar=("DIR_A", "DIR_B"), help="compare two run folders"
+    )
+    add_workload_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        return _compare(args.compare[0], args.compare[1])
+    try:
+        workload = workload_from_args(args)
+        sweep = sweep_from_args(args)
+        slo = slo_from_args(args)
+    except WorkloadError as e:
+        print(f"baton bench: {e}", file=sys.stderr)
+        return 2
+    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+    # The only environment read: CI runs and pipes get no progress bar.
+    interactive = sys.stdout.isatty() and not os.environ.get("CI")
+    summaries = []
+    for rate, concurrency in sweep:
+        label = rate.label if rate else f"concurrency {concurrency}"
+        config = BenchConfig(
+            base_url=args.base_url,
+            workload=workload,
+            rate=rate,
+            concurrency=concurrency,
+            model=args.model,
+            endpoint=args.endpoint,
+            slo=slo,
+            timeout_s=args.timeout,
+            tokenizer=tokenizer,
+        )
+        try:
+            result = run_bench(config, progress=ProgressBar(label) if interactive else None)
+        except (httpx.HTTPError, OSError, RuntimeError) as e:  # unreachable, no model listed
+            print(f"baton bench: {args.base_url}: {e}", file=sys.stderr)
+            return 1
+        summaries.append(result.summary)
+        if args.out is not None:
+            out: Path = args.out if len(sweep) == 1 else args.out / _slug(label)
+            write_run(out, result.summary, result.records)
+        if args.json:
+            print(json.dumps(result.summary, sort_keys=True))
+        else:
+            print(format_table(result.summary, title=f"bench @ {label}"))
+    if args.out is not None and len(sweep) > 1:
+        write_sweep(args.out, summaries, label="bench")
+    return 0
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    from transformers import AutoTokenizer  # heavy: only when asked for
+
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
+def _compare(a: Path, b: Path) -> int:
+    try:
+        sa, sb = load_summary(a), load_summary(b)
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        print(f"baton bench --compare: {e}", file=sys.stderr)
+        return 2
+    print(compare_table(sa, sb, names=(a.name or str(a), b.name or str(b))))
+    return 0
+
+
+def _slug(label: str) -> str:
+    return "run-" + "".join(c if c.isalnum() or c in ".-" else "_" for c in label)

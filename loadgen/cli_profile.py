@@ -1,0 +1,194 @@
+"""``baton profile``: measure a running server's prefill and decode curves over HTTP.
+
+Prefill: one request at a time, ``max_tokens=1``, distinct prompts (so no
+prefix-cache hits) of several lengths; the median TTFT per length is fitted
+to ``a + b·n + c·n²``. Decode: ``B`` concurrent requests with prompts of
+``L`` tokens generating ``T`` tokens each; the median inter-token latency is
+one decode step at batch ``B`` and total context about ``B·(L + T/2)``, fitted
+to ``a + b·B + c·ΣL``. Least squares with non-negative coefficients, refitted
+once without outliers (stalls of a shared machine).
+
+What HTTP cannot see (KV bytes per token, blocks, transfer link) is copied
+from ``--base-profile`` and named as such in ``sources``. TTFT includes the
+gateway's own overhead, so the prefill ``a`` is an upper bound on the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from loadgen.client import discover_model, send_request
+from loadgen.sim.profile import Profile, QuadCoeffs, load_profile
+from loadgen.workload import RequestSpec
+
+__all__ = ["add_arguments", "fit_nonnegative", "fit_robust", "measure_profile", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
+    parser.add_argument("--prefill-lens", default="16,64,128,256,512,1024")
+    parser.add_argument("--decode-batches", default="1,2,4,8,16")
+    parser.add_argument("--decode-contexts", default="64,512")
+    parser.add_argument(
+        "--decode-tokens", type=int, default=32, help="tokens generated per request"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hardware", default="unknown", help="free text written into the profile")
+    parser.add_argument(
+        "--base-profile", default=None, help="source of the fields HTTP cannot measure"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def fit_nonnegative(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
+    """Least squares ``features @ x ≈ times`` with ``x >= 0`` (drop negative terms, refit)."""
+    active = list(range(features.shape[1]))
+    coeffs = np.zeros(features.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(features[:, active], times_s, rcond=None)
+        if np.all(sol >= 0):
+            coeffs[active] = sol
+            return coeffs
+        active.pop(int(np.argmin(sol)))
+    return coeffs
+
+
+def fit_robust(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
+    """``fit_nonnegative``, then once more without points far off the fit.
+
+    A shared machine stalls a probe now and then; a point whose residual is
+    over three times the median residual (and over 2 ms) is such a stall.
+    """
+    coeffs = fit_nonnegative(features, times_s)
+    residual = np.abs(features @ coeffs - times_s)
+    keep = residual <= max(3 * float(np.median(residual)), 0.002)
+    if keep.sum() >= features.shape[1] and not keep.all():
+        coeffs = fit_nonnegative(features[keep], times_s[keep])
+    return coeffs
+
+
+async def _prefill_points(
+    client: httpx.AsyncClient, url: str, kind: str, model: str, lens: Sequence[int], repeats: int
+) -> list[tuple[int, float]]:
+    points = []
+    for n in lens:
+        ttfts = []
+        for r in range(repeats + 1):  # the first of each length warms up
+            spec = RequestSpec(f"profile-prefill-{n}-{r}-{time.time_ns()}", 0.0, n, 1)
+            rec = await send_request(client, url, kind, model, spec, time.perf_counter())  # type: ignore[arg-type]
+            if not rec.success or rec.ttft_s is None:
+                raise RuntimeError(f"prefill probe of {n} tokens failed: {rec.error}")
+            if r:
+                ttfts.append(rec.ttft_s)
+        points.append((n, statistics.median(ttfts)))
+    return points
+
+
+async def _decode_points(
+    client: httpx.AsyncClient,
+    url: str,
+    kind: str,
+    model: str,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    num_tokens: int,
+) -> list[tuple[int, int, float]]:
+    points = []
+    for ctx in contexts:
+        for batch in batches:
+            specs = [
+                RequestSpec(
+                    f"profile-decode-{batch}-{ctx}-{i}-{time.time_ns()}", 0.0, ctx, num_tokens
+                )
+                for i in range(batch)
+            ]
+            start = time.perf_counter()
+            recs = await asyncio.gather(
+                *(send_request(client, url, kind, model, s, start) for s in specs)  # type: ignore[arg-type]
+            )
+            if not all(r.success for r in recs):
+                raise RuntimeError(f"decode probe B={batch} L={ctx} failed: {recs[0].error}")
+            # Skip the first gaps: they overlap the batch's staggered prefills.
+            gaps = [g for r in recs for g in r.itl_s[2:]]
+            if gaps:
+                points.append((batch, batch * (ctx + num_tokens // 2), statistics.median(gaps)))
+    return points
+
+
+async def measure_profile(args: argparse.Namespace) -> Profile:
+    base = args.base_url.rstrip("/")
+    kind = args.endpoint
+    url = f"{base}/v1/chat/completions" if kind == "chat" else f"{base}/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
+        model = args.model or await discover_model(client, base)
+        prefill = await _prefill_points(
+            client, url, kind, model, _ints(args.prefill_lens), args.repeats
+        )
+        decode = await _decode_points(
+            client,
+            url,
+            kind,
+            model,
+            _ints(args.decode_batches),
+            _ints(args.decode_contexts),
+            args.decode_tokens,
+        )
+    n = np.array([p[0] for p in prefill], dtype=float)
+    p_coeffs = fit_robust(
+        np.stack([np.ones_like(n), n, n * n], axis=1), np.array([p[1] for p in prefill])
+    )
+    b = np.array([p[0] for p in decode], dtype=float)
+    ctx = np.array([p[1] for p in decode], dtype=float)
+    d_coeffs = fit_robust(
+        np.stack([np.ones_like(b), b, ctx], axis=1), np.array([p[2] for p in decode])
+    )
+    seed = load_profile(args.base_profile)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    sources = (
+        f"prefill and decode measured by `baton profile` against {base} (model {model}) at {when}",
+        "prefill points (tokens, median TTFT s): "
+        + json.dumps([[int(a), round(t, 6)] for a, t in prefill]),
+        "decode points (batch, context tokens, median ITL s): "
+        + json.dumps([[int(a), int(c), round(t, 6)] for a, c, t in decode]),
+        "prefill includes the server's HTTP and scheduling overhead (TTFT of max_tokens=1)",
+        f"transfer, kv_bytes_per_token, num_kv_blocks, block_size, max_num_seqs copied from {seed.model} base profile:",
+        *seed.sources,
+    )
+    return replace(
+        seed,
+        model=model,
+        hardware=args.hardware,
+        prefill=QuadCoeffs(*(float(x) for x in p_coeffs)),
+        decode=QuadCoeffs(*(float(x) for x in d_coeffs)),
+        sources=sources,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        profile = asyncio.run(measure_profile(args))
+    except (httpx.HTTPError, OSError, RuntimeError) as e:
+        print(f"baton profile: {e}", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    data = profile.to_dict() | {"estimated": False}
+    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    print(json.dumps({"prefill": data["prefill"], "decode": data["decode"], "out": str(args.out)}))
+    return 0

@@ -1,0 +1,100 @@
+"""Workload and SLO flags shared by ``baton bench`` and ``baton simulate``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loadgen.arrivals import RateSpec, parse_rate, parse_sweep
+from loadgen.metrics import GoodputSLO, parse_goodput
+from loadgen.scenario import WorkloadConfig
+from loadgen.workload import WorkloadError, parse_length
+
+__all__ = [
+    "Sweep",
+    "add_workload_arguments",
+    "slo_from_args",
+    "sweep_from_args",
+    "workload_from_args",
+]
+
+Sweep = list[tuple[RateSpec | None, int | None]]  # (rate, concurrency) per run
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument(
+        "--input-len",
+        default="256",
+        help="tokens: N or a distribution, e.g. lognormal:mean=300,sigma=1.0",
+    )
+    g.add_argument(
+        "--output-len", default="128", help="tokens: N or a distribution, e.g. uniform:32-256"
+    )
+    g.add_argument(
+        "--workload",
+        type=Path,
+        default=None,
+        help="Mooncake trace (.jsonl) or ShareGPT file (.json)",
+    )
+    g.add_argument(
+        "--turns", type=int, default=1, help="turns per conversation (shared growing prefix)"
+    )
+    g.add_argument(
+        "--think-time", type=float, default=1.0, help="seconds between turns of a conversation"
+    )
+    load = g.add_mutually_exclusive_group()
+    load.add_argument(
+        "--rate", default=None, help="requests/s: N, inf, ramp:R0-R1; a comma list sweeps"
+    )
+    load.add_argument(
+        "--concurrency", default=None, help="closed loop: requests in flight; a comma list sweeps"
+    )
+    g.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of gaps (1 = Poisson)"
+    )
+    n = g.add_mutually_exclusive_group()
+    n.add_argument("--num-requests", type=int, default=200)
+    n.add_argument("--duration", type=float, default=None, help="seconds of arrivals (with --rate)")
+    g.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="SLO targets in ms, e.g. ttft:200 tpot:50 e2el:5000 (vLLM semantics)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="folder for summary.json, requests.jsonl, plots"
+    )
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
+    parse_length(args.input_len)  # fail early with the flag's own message
+    parse_length(args.output_len)
+    return WorkloadConfig(
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_requests=args.num_requests,
+        duration_s=args.duration,
+        workload_file=args.workload,
+        turns=args.turns,
+        think_time_s=args.think_time,
+        burstiness=args.burstiness,
+        seed=args.seed,
+    )
+
+
+def sweep_from_args(args: argparse.Namespace) -> Sweep:
+    if args.concurrency is not None:
+        out: Sweep = []
+        for item in parse_sweep(args.concurrency):
+            if not item.isdigit() or int(item) < 1:
+                raise WorkloadError(f"bad --concurrency {item!r}: expected an integer >= 1")
+            out.append((None, int(item)))
+        return out
+    return [(parse_rate(item), None) for item in parse_sweep(args.rate or "inf")]
+
+
+def slo_from_args(args: argparse.Namespace) -> GoodputSLO | None:
+    return parse_goodput(args.goodput)

@@ -1,0 +1,151 @@
+"""``simulate(config) -> summary``: build the cluster, replay the workload, summarise.
+
+The summary has the same keys as ``baton bench`` (see loadgen.metrics) plus
+the simulator's own: ``rejected``, ``preempted``, ``num_events``,
+``sim_wall_s`` and the cluster shape, so live and simulated runs compare
+with ``baton bench --compare``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from loadgen.arrivals import RateSpec
+from loadgen.metrics import GoodputSLO, RequestRecord, compute_summary
+from loadgen.scenario import WorkloadConfig, build_requests
+from loadgen.sim.cluster import SimCluster
+from loadgen.sim.profile import Profile, load_profile
+from loadgen.workload import RequestSpec, WorkloadError
+from router.estimator import PastFutureAdmission
+from router.policy import make_policy
+from router.types import SLO, Role
+
+__all__ = ["SimConfig", "SimResult", "simulate", "simulate_specs"]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    rate: RateSpec | None = None  # None: closed loop at ``concurrency``
+    concurrency: int | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 0  # > 0: an aggregated cluster of MIXED workers only
+    num_mixed: int = 0  # MIXED workers added to a prefill/decode cluster
+    policy: str = "round_robin"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    profile: Profile | None = None  # None: the shipped tiny-cpu profile
+    slo: GoodputSLO | None = None
+    prefill_budget_tokens: int = 8192
+    chunk_tokens: int = 512
+    max_tokens: int | None = None  # what the router is told; None: the true output length
+    max_hold_s: float = 30.0  # backstop: a held request fails after this long
+    admission: str = (
+        "past_future"  # decode admission: past_future (the router's estimator) or greedy
+    )
+    prior_output_len: int = 1024  # the estimator's pessimistic prior
+
+
+@dataclass(frozen=True)
+class SimResult:
+    summary: dict[str, Any]
+    records: list[RequestRecord]
+
+
+def simulate(config: SimConfig) -> SimResult:
+    return simulate_specs(config, build_requests(config.workload, config.rate))
+
+
+def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
+    profile = config.profile or load_profile()
+    if config.rate is None and not config.concurrency:
+        raise WorkloadError("give a rate or a concurrency")
+    roles = _roles(config)
+    slo = config.slo or GoodputSLO()
+    options = dict(config.policy_options)
+    if config.policy == "slo_goodput":
+        options.setdefault("profile", profile)  # seed its cost models with the simulated truth
+    cluster = SimCluster(
+        profile,
+        make_policy(config.policy, **options),
+        roles,
+        SLO(
+            ttft_s=slo.ttft_ms / 1000 if slo.ttft_ms is not None else None,
+            tpot_s=slo.tpot_ms / 1000 if slo.tpot_ms is not None else None,
+        ),
+        prefill_budget_tokens=config.prefill_budget_tokens,
+        chunk_tokens=config.chunk_tokens,
+        prefix_caching=_shares_prefixes(specs),
+        max_hold_s=config.max_hold_s,
+        max_tokens=config.max_tokens,
+        make_admission=_admission_factory(config),
+    )
+    started = time.perf_counter()
+    if config.rate is None:
+        assert config.concurrency is not None
+        cluster.run_closed_loop(specs, config.concurrency)
+    else:
+        cluster.run_open_loop(specs)
+    wall_s = time.perf_counter() - started
+    records = cluster.records
+    end_s = max((r.start_s + (r.e2el_s or 0.0) for r in records), default=0.0)
+    start_s = min((r.start_s for r in records), default=0.0)
+    summary = compute_summary(
+        records,
+        end_s - start_s,
+        config.slo,
+        itl_override=(np.asarray(cluster.itl_values_s), np.asarray(cluster.itl_weights)),
+    )
+    summary |= {
+        "mode": "simulate",
+        "policy": "aggregated" if config.num_colocated else config.policy,
+        "router_policy": config.policy,
+        "num_prefill": roles.count(Role.PREFILL),
+        "num_decode": roles.count(Role.DECODE),
+        "num_colocated": roles.count(Role.MIXED),
+        "gpus": len(roles),
+        "rate": config.rate.label if config.rate else None,
+        "concurrency": config.concurrency,
+        "burstiness": config.workload.burstiness,
+        "num_requests": len(specs),
+        "profile": f"{profile.model} on {profile.hardware}",
+        "rejected": cluster.num_rejected,
+        "preempted": sum(w.num_preempted for w in cluster.workers),
+        "admission": config.admission,
+        "num_events": cluster.num_events,
+        "num_decisions": cluster.num_decisions,
+        "sim_wall_s": wall_s,
+    }
+    return SimResult(summary, records)
+
+
+def _admission_factory(config: SimConfig) -> Callable[[], PastFutureAdmission] | None:
+    match config.admission:
+        case "greedy":
+            return None
+        case "past_future":
+            return lambda: PastFutureAdmission(config.prior_output_len, seed=config.workload.seed)
+        case other:
+            raise WorkloadError(f"unknown admission {other!r}: past_future or greedy")
+
+
+def _roles(config: SimConfig) -> list[Role]:
+    if config.num_colocated:
+        return [Role.MIXED] * config.num_colocated
+    if config.num_prefill < 1 or config.num_decode < 1:
+        raise WorkloadError("need --prefill >= 1 and --decode >= 1, or --colocated N")
+    roles = [Role.PREFILL] * config.num_prefill + [Role.DECODE] * config.num_decode
+    return roles + [Role.MIXED] * config.num_mixed
+
+
+def _shares_prefixes(specs: list[RequestSpec]) -> bool:
+    # Only model prefix caches when some block is shared: tracking caches of
+    # never-shared blocks costs time and changes nothing.
+    counts = Counter(h for s in specs for h in s.hash_ids[:1])
+    return any(n > 1 for n in counts.values())

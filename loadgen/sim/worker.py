@@ -1,0 +1,377 @@
+"""One simulated worker: counts tokens, not phases.
+
+Each step the worker (1) admits decode arrivals whose KV has landed, (2) fills
+the step's token budget with prefill chunks (Sarathi-style: running decodes
+take one token each first), (3) lasts as long as the profile says. A PREFILL
+worker has no running decodes and a large budget; a DECODE worker only
+prefills to recompute a preempted request; a MIXED worker does both (the
+aggregated baseline with chunked prefill).
+
+To stay fast at hundreds of workers, a stretch of pure decode steps with no
+prefill is one *segment* — one event up to the next finish or memory limit —
+whose step times are summed in closed form (step k lasts ``base + k·inc``
+because context grows by B tokens a step). Something arriving mid-segment cuts
+it at the next step boundary, as a real engine admits work between steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from loadgen.sim.profile import Profile
+from router.types import LengthClass, Role, RunningRequest, StepSample
+
+__all__ = ["Admission", "SimRequest", "SimWorker"]
+
+
+class Admission(Protocol):
+    """The engine's decode admission rule (``router.estimator.PastFutureAdmission``)."""
+
+    def can_admit(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        running: Sequence[RunningRequest],
+        num_free_blocks: int,
+        num_total_blocks: int,
+        block_size: int,
+    ) -> bool: ...
+
+    def observe_finished(self, output_len: int) -> None: ...
+
+    def record_exhaustion(self) -> None: ...
+
+
+class SimRequest:
+    """Mutable state of one request inside the simulator."""
+
+    __slots__ = (
+        "arrival_s",
+        "decode_worker",
+        "finish_s",
+        "generated",
+        "hash_ids",
+        "held",
+        "input_len",
+        "length_class",
+        "max_tokens",
+        "output_len",
+        "prefill_left",
+        "prefill_total",
+        "rejected",
+        "request_id",
+        "resume",
+        "ttft_s",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        arrival_s: float,
+        input_len: int,
+        output_len: int,
+        max_tokens: int,
+        hash_ids: tuple[int, ...],
+    ) -> None:
+        self.request_id = request_id
+        self.arrival_s = arrival_s
+        self.input_len = input_len
+        self.output_len = output_len
+        self.max_tokens = max_tokens
+        self.hash_ids = hash_ids
+        self.decode_worker: SimWorker | None = None  # None: colocated
+        self.length_class = LengthClass.SHORT
+        self.prefill_left = input_len  # tokens still to compute
+        self.prefill_total = input_len
+        self.held = 0  # KV tokens held on the decode side
+        self.generated = 0
+        self.resume = False  # re-prefilling after preemption: TTFT already recorded
+        self.ttft_s: float | None = None
+        self.finish_s: float | None = None
+        self.rejected = ""
+
+
+# Callbacks into the cluster: (worker, request, now_s).
+Hook = Callable[["SimWorker", SimRequest, float], None]
+# (worker, now_s, sample): one mean step of what just ran, for telemetry and ITL.
+StepHook = Callable[["SimWorker", float, StepSample, int], None]
+
+
+class SimWorker:
+    """Worker state plus its step logic; the cluster owns the clock and the event heap."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        role: Role,
+        profile: Profile,
+        budget_tokens: int,
+        schedule: Callable[[float, SimWorker, int], None],
+        on_prefilled: Hook,
+        on_finished: Hook,
+        on_step: StepHook,
+        dirty_list: list[SimWorker],
+        admission: Admission | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.profile = profile
+        self.budget_tokens = budget_tokens
+        self.capacity_tokens = profile.num_kv_blocks * profile.block_size
+        self._schedule = schedule
+        self._on_prefilled = on_prefilled
+        self._on_finished = on_finished
+        self._on_step = on_step
+        self.admission = admission  # None: admit whenever the KV fits now (vLLM-style)
+        self.queues: dict[LengthClass, deque[SimRequest]] = {
+            LengthClass.SHORT: deque(),
+            LengthClass.LONG: deque(),
+        }
+        self.queued_tokens = {LengthClass.SHORT: 0, LengthClass.LONG: 0}
+        self._turn = LengthClass.SHORT  # alternates when both queues wait (LAPS temporal split)
+        self.waiting: deque[SimRequest] = deque()  # KV landed, not yet admitted
+        self.running: list[SimRequest] = []
+        self.reserved: dict[str, SimRequest] = {}  # planned here, not admitted yet
+        self.used_tokens = 0
+        self.version = 0  # bumps invalidate a scheduled step end
+        self.busy = False
+        self.dirty = True  # view must be rebuilt
+        self._dirty_list = dirty_list  # shared: the cluster rebuilds only these views
+        dirty_list.append(self)
+        # The step in flight.
+        self._t0 = 0.0
+        self._base = 0.0
+        self._inc = 0.0
+        self._steps = 0
+        self._chunks: list[tuple[SimRequest, int]] = []
+        self._end_s = 0.0
+        self.num_preempted = 0
+
+    def mark_dirty(self) -> None:
+        if not self.dirty:
+            self.dirty = True
+            self._dirty_list.append(self)
+
+    # ---- arrivals -------------------------------------------------------
+    def enqueue_prefill(self, req: SimRequest, now_s: float) -> None:
+        self.queues[req.length_class].append(req)
+        self.queued_tokens[req.length_class] += req.prefill_left
+        self.mark_dirty()
+        self._poke(now_s)
+
+    def enqueue_decode(self, req: SimRequest, now_s: float) -> None:
+        self.waiting.append(req)
+        self.mark_dirty()
+        self._poke(now_s)
+
+    def _poke(self, now_s: float) -> None:
+        """New work: start now if idle, else cut a decode segment at its next step boundary."""
+        if not self.busy:
+            self._start_step(now_s)
+            return
+        if self._steps <= 1:
+            return
+        done = self._steps_done_by(now_s - self._t0)
+        if done + 1 < self._steps:
+            self._steps = done + 1
+            self._end_s = self._t0 + self._elapsed(self._steps)
+            self.version += 1
+            self._schedule(self._end_s, self, self.version)
+
+    # ---- one step -------------------------------------------------------
+    def _start_step(self, now_s: float) -> None:
+        self._admit(now_s)
+        chunks = self._take_chunks()
+        batch = len(self.running)
+        if not chunks and not batch:
+            self.busy = False
+            return
+        context = self.used_tokens
+        prof = self.profile
+        self._t0 = now_s
+        self._chunks = chunks
+        if chunks:
+            dur = prof.prefill.a if not batch else max(prof.prefill.a, prof.decode.a)
+            for req, n in chunks:
+                done = req.prefill_total - req.prefill_left
+                dur += prof.prefill.b * n + prof.prefill.c * ((done + n) ** 2 - done * done)
+            if batch:
+                dur += prof.decode.b * batch + prof.decode.c * context
+            self._base, self._inc, self._steps = dur, 0.0, 1
+        else:
+            self._base = prof.decode.a + prof.decode.b * batch + prof.decode.c * context
+            self._inc = prof.decode.c * batch
+            self._steps = self._segment_steps(batch)
+        self._end_s = now_s + self._elapsed(self._steps)
+        self.busy = True
+        self.version += 1
+        self._schedule(self._end_s, self, self.version)
+
+    def _segment_steps(self, batch: int) -> int:
+        to_finish = min(r.output_len - r.generated for r in self.running)
+        room = (self.capacity_tokens - self.used_tokens) // batch
+        return max(1, min(to_finish, room))
+
+    def end_step(self, now_s: float) -> None:
+        """The scheduled step (or segment) ended at ``now_s``."""
+        steps, batch = self._steps, len(self.running)
+        if batch:
+            mean_step_s = self._elapsed(steps) / steps
+            self.used_tokens += batch * steps
+            finished: list[SimRequest] = []
+            for r in self.running:
+                r.generated += steps
+                r.held += steps
+                if r.generated >= r.output_len:
+                    finished.append(r)
+            if finished:
+                for r in finished:
+                    if self.admission is not None:
+                        self.admission.observe_finished(r.output_len)
+                    self.running.remove(r)
+                    self.used_tokens -= r.held
+                    r.finish_s = now_s
+                    self._on_finished(self, r, now_s)
+        else:
+            mean_step_s = 0.0
+        num_prefill = 0
+        for req, n in self._chunks:
+            req.prefill_left -= n
+            num_prefill += n
+            if req.prefill_left == 0:
+                self._prefilled(req, now_s)
+        self._chunks = []
+        # Context at the middle of a segment: its steps' mean duration belongs there.
+        context = self.used_tokens - batch * steps // 2 if not num_prefill else self.used_tokens
+        sample = StepSample(
+            duration_s=mean_step_s if not num_prefill else now_s - self._t0,
+            num_prefill_tokens=num_prefill,
+            num_decode_seqs=batch,
+            total_context_tokens=context,
+            end_s=now_s,
+        )
+        self._on_step(self, now_s, sample, steps)
+        self.mark_dirty()
+        self._preempt_if_full()
+        self._start_step(now_s)
+
+    def _prefilled(self, req: SimRequest, now_s: float) -> None:
+        if req.resume:  # recomputed after preemption: back into the batch
+            req.resume = False
+            self._join(req)
+            return
+        req.generated = 1
+        req.ttft_s = now_s
+        if req.output_len <= 1:
+            req.finish_s = now_s
+            self._on_finished(self, req, now_s)
+            return
+        # Hand over: colocated joins this worker's batch, else the cluster moves the KV.
+        self._on_prefilled(self, req, now_s)
+
+    # ---- admission and memory ----------------------------------------------
+    def _admit(self, now_s: float) -> None:
+        while self.waiting and len(self.running) < self.profile.max_num_seqs:
+            req = self.waiting[0]
+            need = req.input_len + req.generated
+            if self.used_tokens + need + len(self.running) + 1 > self.capacity_tokens:
+                break
+            if self.running and not self._estimator_admits(req, need):
+                break  # an empty worker always admits what fits, or nothing would move
+            self.waiting.popleft()
+            self.reserved.pop(req.request_id, None)
+            req.held = need
+            self._join(req)
+
+    def _estimator_admits(self, req: SimRequest, need: int) -> bool:
+        if self.admission is None:
+            return True
+        bs = self.profile.block_size
+        running = [RunningRequest(r.held, r.generated, r.max_tokens) for r in self.running]
+        return self.admission.can_admit(
+            need,
+            req.max_tokens,
+            running,
+            (self.capacity_tokens - self.used_tokens) // bs,
+            self.profile.num_kv_blocks,
+            bs,
+        )
+
+    def join_colocated(self, req: SimRequest) -> None:
+        req.held = req.input_len + req.generated
+        self.reserved.pop(req.request_id, None)
+        self._join(req)
+
+    def _join(self, req: SimRequest) -> None:
+        self.running.append(req)
+        self.used_tokens += req.held
+        self.mark_dirty()
+
+    def _preempt_if_full(self) -> None:
+        # Recompute-style preemption of the newest, as vLLM does.
+        while self.running and self.used_tokens + len(self.running) > self.capacity_tokens:
+            victim = self.running.pop()
+            self.used_tokens -= victim.held
+            victim.prefill_left = victim.prefill_total = victim.held
+            victim.held = 0
+            victim.resume = True
+            self.queues[LengthClass.LONG].appendleft(victim)
+            self.queued_tokens[LengthClass.LONG] += victim.prefill_left
+            self.num_preempted += 1
+            if self.admission is not None:
+                self.admission.record_exhaustion()
+
+    def _take_chunks(self) -> list[tuple[SimRequest, int]]:
+        budget = self.budget_tokens - len(self.running)
+        chunks: list[tuple[SimRequest, int]] = []
+        short, long_ = self.queues[LengthClass.SHORT], self.queues[LengthClass.LONG]
+        if not short and not long_:
+            return chunks
+        order = (short, long_) if self._turn is LengthClass.SHORT or not long_ else (long_, short)
+        self._turn = LengthClass.LONG if self._turn is LengthClass.SHORT else LengthClass.SHORT
+        for queue in order:
+            # Walk the queue head-first without consuming: a request leaves the
+            # queue only when its last chunk is taken.
+            i = 0
+            while budget > 0 and i < len(queue):
+                req = queue[i]
+                pending = req.prefill_left - sum(n for r, n in chunks if r is req)
+                n = min(pending, budget)
+                chunks.append((req, n))
+                budget -= n
+                cls = LengthClass.LONG if queue is long_ else LengthClass.SHORT
+                self.queued_tokens[cls] -= n
+                if n == pending:
+                    del queue[i]
+                else:
+                    i += 1
+                    break
+            if budget <= 0:
+                break
+        return chunks
+
+    # ---- closed-form segment timing ----------------------------------------
+    def _elapsed(self, steps: int) -> float:
+        return steps * self._base + self._inc * steps * (steps - 1) / 2
+
+    def _steps_done_by(self, elapsed_s: float) -> int:
+        if elapsed_s <= 0:
+            return 0
+        if self._inc <= 0:
+            k = int(elapsed_s / self._base)
+        else:
+            half = self._inc / 2
+            b = self._base - half
+            k = int((-b + math.sqrt(b * b + 4 * half * elapsed_s)) / (2 * half))
+        while k > 0 and self._elapsed(k) > elapsed_s:
+            k -= 1
+        return min(k, self._steps)
+
+    def progress_at(self, now_s: float) -> int:
+        """Decode steps completed in the current segment by ``now_s`` (for telemetry)."""
+        if not self.busy or self._chunks:
+            return 0
+        return self._steps_done_by(now_s - self._t0)

@@ -1,0 +1,95 @@
+"""``baton bench`` / ``baton simulate`` end to end through the real CLI entry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.cli import main
+
+from .sse_server import serve
+
+
+def test_bench_writes_run_folder_and_compares(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with serve() as url:
+        common = [
+            "bench",
+            "--base-url",
+            url,
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--num-requests",
+            "4",
+        ]
+        assert (
+            main(
+                [
+                    *common,
+                    "--concurrency",
+                    "2",
+                    "--goodput",
+                    "ttft:2000",
+                    "--out",
+                    str(tmp_path / "a"),
+                ]
+            )
+            == 0
+        )
+        assert main([*common, "--rate", "50", "--out", str(tmp_path / "b")]) == 0
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 12
+    assert summary["slo_attainment"] == 1.0
+    lines = (tmp_path / "a" / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[0])["output_tokens"] == 3
+    assert (tmp_path / "a" / "latency_cdf.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert main(["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    table = capsys.readouterr().out
+    assert "completed" in table and "B/A" in table and "1.000" in table  # 4 vs 4 completed
+
+
+def test_bench_unreachable_server_fails_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--num-requests", "1"]) == 1
+    assert "127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_simulate_sweep(tmp_path: Path) -> None:
+    argv = [
+        "simulate",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--rate",
+        "2,8",
+        "--num-requests",
+        "50",
+        "--input-len",
+        "uniform:20-200",
+        "--output-len",
+        "uniform:5-40",
+        "--goodput",
+        "ttft:500",
+        "tpot:100",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [s["rate"] for s in sweep] == ["2", "8"]
+    assert all(s["completed"] + s["failed"] == 50 for s in sweep)
+    assert (tmp_path / "attainment_vs_rate.png").exists()
+    assert (tmp_path / "run-8" / "summary.json").exists()
+
+
+def test_bad_flag_values_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--input-len", "uniform:9", "--rate", "1"]) == 2
+    assert "LOW-HIGH" in capsys.readouterr().err
+    assert main(["simulate", "--goodput", "ttfx:3", "--rate", "1"]) == 2

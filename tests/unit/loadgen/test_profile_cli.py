@@ -1,0 +1,74 @@
+"""``baton profile`` recovers known cost curves from a scripted server over real HTTP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadgen.cli_profile import fit_nonnegative, fit_robust
+from loadgen.sim.profile import load_profile
+from services.cli import main
+
+from .sse_server import Timing, serve
+
+
+def test_fit_nonnegative_drops_negative_terms() -> None:
+    n = np.array([1.0, 2.0, 3.0, 4.0])
+    x = np.stack([np.ones_like(n), n, n * n], axis=1)
+    assert fit_nonnegative(x, 0.5 + 0.25 * n) == pytest.approx([0.5, 0.25, 0.0], abs=1e-9)
+    # A decreasing curve cannot use a negative slope: the slope is dropped.
+    coeffs = fit_nonnegative(x[:, :2], 1.0 - 0.1 * n)
+    assert coeffs[1] == 0.0 and coeffs[0] > 0
+
+
+def test_fit_robust_ignores_one_stall() -> None:
+    b = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+    x = np.stack([np.ones_like(b), b], axis=1)
+    t = 0.004 + 0.0005 * b
+    t[1] = 0.14  # one probe stalled
+    assert fit_robust(x, t) == pytest.approx([0.004, 0.0005], rel=1e-6)
+    assert fit_nonnegative(x, t)[0] > 0.02  # the plain fit is dragged off
+
+
+def test_profile_measures_prefill_and_decode(tmp_path: Path) -> None:
+    timing = Timing(first_s=0.01, first_per_prompt_char_s=5e-4, gap_s=0.01, gap_per_stream_s=0.004)
+    out = tmp_path / "p.json"
+    with serve(timing) as url:
+        argv = [
+            "profile",
+            "--base-url",
+            url,
+            "--prefill-lens",
+            "10,200,400",
+            "--repeats",
+            "1",
+            "--decode-batches",
+            "1,4",
+            "--decode-contexts",
+            "16",
+            "--decode-tokens",
+            "8",
+            "--hardware",
+            "test box",
+            "--out",
+            str(out),
+        ]
+        assert main(argv) == 0
+    data = json.loads(out.read_text())
+    profile = load_profile(out)  # the router's loader accepts it
+    assert profile.hardware == "test box" and data["estimated"] is False
+
+    # TTFT = 0.01 + 5e-4 per prompt character (plus HTTP overhead): the fitted
+    # curve predicts it (the split between b and c is not identifiable from noise).
+    def prefill_s(n: int) -> float:
+        p = profile.prefill
+        return p.a + p.b * n + p.c * n * n
+
+    assert prefill_s(400) == pytest.approx(0.01 + 0.2, rel=0.25)
+    assert prefill_s(800) == pytest.approx(0.01 + 0.4, rel=0.25)
+    # Gaps grow with the number of concurrent streams: a positive per-sequence term.
+    assert profile.decode.b + profile.decode.c * 20 > 0.001
+    assert any("measured by `baton profile`" in s for s in profile.sources)
