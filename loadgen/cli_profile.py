@@ -91,7 +91,9 @@ async def _prefill_points(
     for n in lens:
         ttfts = []
         for r in range(repeats + 1):  # the first of each length warms up
-            spec = RequestSpec(f"profile-prefill-{n}-{r}-{time.time_ns()}", 0.0, n, 1)
+            # Two tokens, so the probe takes a real request's path (prefill-only, hold,
+            # first token streamed while decode is planned); TTFT is its first event.
+            spec = RequestSpec(f"profile-prefill-{n}-{r}-{time.time_ns()}", 0.0, n, 2)
             rec = await send_request(client, url, kind, model, spec, time.perf_counter())  # type: ignore[arg-type]
             if not rec.success or rec.ttft_s is None:
                 raise RuntimeError(f"prefill probe of {n} tokens failed: {rec.error}")
@@ -167,7 +169,7 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
         + json.dumps([[int(a), round(t, 6)] for a, t in prefill]),
         "decode points (batch, context tokens, median ITL s): "
         + json.dumps([[int(a), int(c), round(t, 6)] for a, c, t in decode]),
-        "prefill includes the server's HTTP and scheduling overhead (TTFT of max_tokens=1)",
+        "prefill includes the server's HTTP and scheduling overhead (TTFT of a 2-token request)",
         f"transfer, kv_bytes_per_token, num_kv_blocks, block_size, max_num_seqs copied from {seed.model} base profile:",
         *seed.sources,
     )

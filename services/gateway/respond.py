@@ -226,7 +226,10 @@ async def _stream_body(
                 acc.add(svc.tokenizer, d.logprobs)
                 logprobs = acc.render()
             finish = d.finish_reason.value if d.finish_reason is not None else None
-            if not d.text and finish is None and logprobs is None:
+            # One event per engine delta that carries tokens, even while the detokenizer
+            # holds text back (a partial UTF-8 character, a possible stop string): clients
+            # time TTFT and inter-token latency per event, as vLLM's harness does.
+            if not d.text and not d.token_ids and finish is None and logprobs is None:
                 continue
             usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
             yield sse(fmt.chunk(i, d.text, finish, logprobs, usage_now=usage_now))

@@ -3,19 +3,18 @@
 Starts the server as a subprocess on a free 127.0.0.1 port with
 deploy/configs/local.yaml, waits for /v1/models, then:
 
-* a bench run completes with zero failed requests;
-* the simulator, given the shipped tiny-cpu profile and the same workload,
-  agrees with the live run within 20% on throughput and median TPOT.
-
-TTFT is not compared: the built-in tiny model has random weights, so about
-half of its output bytes are not complete UTF-8 characters; the gateway
-holds such text back, and the client sees the first event later than the
-first token (a trained model does not do this).
+* a bench run completes with zero failed requests and writes its report;
+* fidelity: ``baton profile`` measures the live server's prefill and decode
+  curves, the simulator runs the same workload from that profile, and the
+  simulated p50 TTFT, p50 TPOT and goodput are within 20% of the live ones.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import importlib.util
+import json
 import socket
 import subprocess
 import sys
@@ -26,10 +25,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadgen import cli_profile
 from loadgen.arrivals import RateSpec
 from loadgen.client import BenchConfig, run_bench
+from loadgen.metrics import GoodputSLO
+from loadgen.report import write_run
 from loadgen.scenario import WorkloadConfig
 from loadgen.sim import SimConfig, simulate
+from loadgen.sim.profile import Profile
 
 pytestmark = [
     pytest.mark.slow,
@@ -91,11 +94,44 @@ def server() -> Iterator[str]:
             proc.kill()
 
 
-def test_bench_zero_failed_and_close_to_simulation(server: str) -> None:
-    live = run_bench(BenchConfig(server, WORKLOAD, rate=RateSpec(2.0))).summary
-    assert live["failed"] == 0 and live["completed"] == 40
+def _measure_profile(url: str) -> Profile:
+    parser = argparse.ArgumentParser()
+    cli_profile.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--base-url", url,
+            "--prefill-lens", "16,128,256,512",
+            "--decode-batches", "1,2,4",
+            "--decode-contexts", "64,256",
+            "--decode-tokens", "24",
+            "--repeats", "3",
+            "--out", "unused.json",
+        ]
+    )  # fmt: skip
+    return asyncio.run(cli_profile.measure_profile(args))
+
+
+def test_bench_zero_failed_and_close_to_simulation(server: str, tmp_path: Path) -> None:
+    slo = GoodputSLO(ttft_ms=400.0, tpot_ms=60.0)
+    result = run_bench(BenchConfig(server, WORKLOAD, rate=RateSpec(2.0), slo=slo))
+    live = result.summary
+    assert live["failed"] == 0 and live["completed"] == WORKLOAD.num_requests
+    write_run(tmp_path, result.summary, result.records)
+    assert json.loads((tmp_path / "summary.json").read_text())["completed"] == live["completed"]
+    assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == live["completed"]
+    assert (tmp_path / "latency_cdf.png").stat().st_size > 0
+
+    profile = _measure_profile(server)
     sim = simulate(
-        SimConfig(workload=WORKLOAD, rate=RateSpec(2.0), num_prefill=1, num_decode=1)
+        SimConfig(
+            workload=WORKLOAD,
+            rate=RateSpec(2.0),
+            num_prefill=1,
+            num_decode=1,
+            policy="slo_goodput",
+            profile=profile,
+            slo=slo,
+        )
     ).summary
-    for key in ("request_throughput", "output_throughput", "median_tpot_ms"):
-        assert sim[key] == pytest.approx(live[key], rel=0.2), key
+    for key in ("median_ttft_ms", "median_tpot_ms", "request_goodput"):
+        assert sim[key] == pytest.approx(live[key], rel=0.2), (key, sim[key], live[key], profile)
