@@ -19,7 +19,9 @@ For a request of effective prefill length ``n`` (per worker: its own prefix hit)
    transfer breaks TTFT only the colocated one is feasible.
 4. Nothing feasible: an interactive request whose TTFT target is still
    reachable and which has waited less than ``max_hold_s`` is held
-   (``Reject(hold=True)``); otherwise it is rejected with a ``Retry-After``.
+   (``Reject(hold=True)``); otherwise it is rejected with a ``Retry-After``,
+   and marked not ``retryable`` when its prefill alone, on an idle worker,
+   would already miss the target.
 
 Batch requests are shed first: they must fit under ``batch_memory_fraction``
 of capacity (lower than interactive's ``memory_fraction``) and within
@@ -245,7 +247,11 @@ class SloGoodput:
 
         if best is None:
             feasible_decode = decodable & (decode_ok | coloc_ok)
-            return self._refuse(t, ttft_local, feasible_decode, budget_s, elapsed_s, batch)
+            target_s = ttft_s * headroom if ttft_s is not None else math.inf
+            hopeless = self._best_prefill(t, prefill_s + encode_s) > target_s
+            return self._refuse(
+                t, ttft_local, feasible_decode, budget_s, elapsed_s, batch, hopeless
+            )
         plan = best[1]
         return plan if encode_worker is None else replace(plan, encode_worker=encode_worker)
 
@@ -330,6 +336,11 @@ class SloGoodput:
             predicted_tpot_s=float(tpot_s),
         )
 
+    def _best_prefill(self, t: WorkerTable, ttft_s: np.ndarray | float) -> float:
+        """The least of ``ttft_s`` over the workers that can prefill."""
+        prefill_capable = t.in_roles((Role.PREFILL, *self.colocate_roles))
+        return float(np.min(np.where(prefill_capable, ttft_s, np.inf)))
+
     def _refuse(
         self,
         t: WorkerTable,
@@ -338,11 +349,13 @@ class SloGoodput:
         budget_s: float,
         elapsed_s: float,
         batch: bool,
+        hopeless: bool,
     ) -> Reject:
+        """``hopeless``: even an idle worker's prefill misses the TTFT target."""
         prefill_capable = t.in_roles((Role.PREFILL, *self.colocate_roles))
         if not prefill_capable.any() or not t.in_roles((Role.DECODE, *self.colocate_roles)).any():
             return Reject("no live worker", retry_after_s=self.min_retry_after_s)
-        best_ttft_s = float(np.min(np.where(prefill_capable, ttft_local, np.inf)))
+        best_ttft_s = self._best_prefill(t, ttft_local)
         if best_ttft_s > budget_s:
             reason = "ttft target unreachable"
         elif not decodable.any():
@@ -353,4 +366,5 @@ class SloGoodput:
         if reachable and not batch and elapsed_s < self.max_hold_s:
             return Reject(reason, retry_after_s=self.hold_retry_s, hold=True)
         best_wait_s = float(np.min(np.where(prefill_capable, t.wait_short_s, np.inf)))
-        return Reject(reason, retry_after_s=max(self.min_retry_after_s, best_wait_s))
+        retry_after_s = max(self.min_retry_after_s, best_wait_s)
+        return Reject(reason, retry_after_s=retry_after_s, retryable=not hopeless)

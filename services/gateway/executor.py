@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from router.policy import Policy
-from router.types import Plan, Reject, RequestProfile
+from router.types import SLO, Plan, Priority, Reject, RequestProfile
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
 from services.engine.tokenizer import Tokenizer
@@ -90,6 +90,9 @@ class PlanExecutor:
         prompt_token_ids: tuple[int, ...],
         sampling: SamplingParams,
         arrival_s: float,
+        *,
+        slo: SLO | None = None,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one has ``finish_reason``; re-plan on failures."""
         profile = RequestProfile(
@@ -97,6 +100,8 @@ class PlanExecutor:
             num_prompt_tokens=len(prompt_token_ids),
             num_new_tokens=len(prompt_token_ids),
             max_tokens=sampling.max_tokens,
+            slo=slo or SLO(),
+            priority=priority,
             arrival_s=arrival_s,
         )
         detokenizer = IncrementalDetokenizer(
@@ -145,9 +150,11 @@ class PlanExecutor:
                     return decision
                 case Reject(hold=True) | Plan() if time.monotonic() < deadline_s:
                     await asyncio.sleep(self._config.hold_poll_s)
-                case Reject(reason=reason, retry_after_s=retry_after_s):
+                case Reject(reason=reason, retry_after_s=retry_after_s, retryable=retryable):
                     self._metrics.rejections.labels(reason, profile.priority.value).inc()
-                    raise Overloaded(f"request rejected: {reason}", retry_after_s)
+                    raise Overloaded(
+                        f"request rejected: {reason}", retry_after_s, should_retry=retryable
+                    )
                 case Plan():
                     raise Overloaded("the planned workers are gone", 1.0)
 
