@@ -169,7 +169,7 @@ class LLMEngine:
             self._append_token(r, token_id, lp)
             for r, token_id, lp in zip(inputs.sample_requests, token_ids, logprobs)
         ]
-        self._record_step(inputs, time.perf_counter() - start_s)
+        self._record_step(inputs, time.perf_counter() - start_s, time.monotonic())
         return outputs
 
     def _advance(self, scheduled: Sequence[ScheduledRequest]) -> None:
@@ -249,13 +249,14 @@ class LLMEngine:
             self.scheduler.admission.observe_finished(r.num_output_tokens)
         return None
 
-    def _record_step(self, inputs: StepInputs, duration_s: float) -> None:
+    def _record_step(self, inputs: StepInputs, duration_s: float, end_s: float) -> None:
         self._recent_steps.append(
             StepStats(
                 duration_s=duration_s,
                 num_prefill_tokens=inputs.num_prefill_tokens,
                 num_decode_seqs=inputs.num_decode_seqs,
                 total_context_tokens=sum(inputs.batch.context_lens),
+                end_s=end_s,
             )
         )
 

@@ -169,6 +169,7 @@ class StepStats:
     num_prefill_tokens: int
     num_decode_seqs: int
     total_context_tokens: int
+    end_s: float = 0.0  # when the step ended: the engine process's time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
