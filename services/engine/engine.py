@@ -40,6 +40,7 @@ __all__ = ["EngineModelInfo", "LLMEngine"]
 
 _NUM_RECENT_STEPS = 64
 _NUM_RECENT_OUTPUTS = 200
+_PREFIX_DIGEST_BLOCKS = 4096  # most recently cached block hashes in the telemetry digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +316,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+            cached_block_hashes=bm.cached_hashes(_PREFIX_DIGEST_BLOCKS),
         )
 
     def encode(self, text: str) -> list[int]:

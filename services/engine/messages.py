@@ -186,6 +186,9 @@ class EngineStats:
     num_preemptions: int
     num_prefix_hit_tokens: int  # cumulative
     num_prompt_tokens_computed: int  # cumulative
+    # Chained hashes (services/engine/block_hash.py) of cached full blocks, the most
+    # recently cached last: the router's prefix digest of this engine.
+    cached_block_hashes: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:

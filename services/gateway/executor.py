@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from router.policy import Policy
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
+from services.engine.block_hash import compute_block_hashes
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
 from services.engine.tokenizer import Tokenizer
@@ -101,6 +102,7 @@ class PlanExecutor:
             num_new_tokens=len(prompt_token_ids),
             max_tokens=sampling.max_tokens,
             slo=slo or SLO(),
+            prefix_hashes=self._prefix_hashes(prompt_token_ids),
             priority=priority,
             arrival_s=arrival_s,
         )
@@ -135,6 +137,13 @@ class PlanExecutor:
                 reason = e.reason
             self._metrics.retries.labels(reason).inc()
         raise ServiceFailure(f"request failed on {self._config.max_attempts} placements; giving up")
+
+    def _prefix_hashes(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        """The prompt's full blocks named as the workers name their cached blocks."""
+        block_size = self._state.block_size()
+        if block_size is None:
+            return ()
+        return tuple(compute_block_hashes(prompt, block_size))
 
     # -- placement ----------------------------------------------------------------------
     async def _place(self, profile: RequestProfile) -> Plan:

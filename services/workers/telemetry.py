@@ -54,6 +54,7 @@ def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
         kv_bytes_per_token=layout.block_bytes // layout.block_size,
         max_num_seqs=loop.max_num_seqs,
         max_model_len=engine.model_info.max_model_len,
+        prefix_digest=stats.cached_block_hashes,
     )
 
 
