@@ -16,7 +16,8 @@ For a request of effective prefill length ``n`` (per worker: its own prefix hit)
    checks with no transfer; its cost is its TTFT plus ``stall_weight ×
    running requests × prefill(n)`` (the decode steps its prefill delays). A
    disaggregated plan costs its TTFT. The cheaper feasible plan wins; when the
-   transfer breaks TTFT only the colocated one is feasible.
+   transfer breaks TTFT only the colocated one is feasible. Under the spatial
+   split a long prompt is never colocated while a long prefill pool exists.
 4. Nothing feasible: an interactive request whose TTFT target is still
    reachable and which has waited less than ``max_hold_s`` is held
    (``Reject(hold=True)``); otherwise it is rejected with a ``Retry-After``,
@@ -238,7 +239,7 @@ class SloGoodput:
                 best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))
 
         # Colocated: the same checks without a transfer, priced with the decodes it stalls.
-        ok = coloc_ok & decodable & (ttft_local <= budget_s)
+        ok = coloc_ok & decodable & (ttft_local <= budget_s) & self._may_colocate(t, is_long)
         if ok.any():
             cost = ttft_local + t.stall_per_prefill_s * prefill_s
             c = self._pick(ok, sure, -cost, held_q, r_q, limit)
@@ -261,6 +262,13 @@ class SloGoodput:
             return t.prefill_penalty
         pool = np.where(t.in_long_pool == is_long, t.prefill_penalty, np.inf)
         return pool if np.isfinite(pool).any() else t.prefill_penalty
+
+    def _may_colocate(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray | bool:
+        """Spatial split with a long pool: a long prompt prefills only there, never on a
+        colocated host, where it would hold up that host's short prefills."""
+        if self.length_split != SplitMode.SPATIAL or not t.in_long_pool.any():
+            return True
+        return np.logical_not(is_long)
 
     def _prefill_tokens(self, profile: RequestProfile) -> np.ndarray | float:
         """Effective prefill tokens: per worker from the prefix digests, else the gateway's."""

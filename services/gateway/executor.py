@@ -85,6 +85,11 @@ class PlanExecutor:
         self._config = config
         self._on_worker_died = on_worker_died
 
+    def set_policy(self, name: str, policy: Policy) -> None:
+        """Place requests with ``policy`` from now on (placed ones are unaffected)."""
+        self._policy = policy
+        self._config = replace(self._config, policy_name=name)
+
     async def run(
         self,
         request_id: str,
