@@ -123,3 +123,4 @@ class Reject:
     reason: str
     retry_after_s: float = 1.0
     hold: bool = False  # True: targets still reachable, keep it at the gateway and ask again
+    retryable: bool = True  # False: the same request would fail on an idle cluster too

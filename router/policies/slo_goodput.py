@@ -16,10 +16,13 @@ For a request of effective prefill length ``n`` (per worker: its own prefix hit)
    checks with no transfer; its cost is its TTFT plus ``stall_weight ×
    running requests × prefill(n)`` (the decode steps its prefill delays). A
    disaggregated plan costs its TTFT. The cheaper feasible plan wins; when the
-   transfer breaks TTFT only the colocated one is feasible.
+   transfer breaks TTFT only the colocated one is feasible. Under the spatial
+   split a long prompt is never colocated while a long prefill pool exists.
 4. Nothing feasible: an interactive request whose TTFT target is still
    reachable and which has waited less than ``max_hold_s`` is held
-   (``Reject(hold=True)``); otherwise it is rejected with a ``Retry-After``.
+   (``Reject(hold=True)``); otherwise it is rejected with a ``Retry-After``,
+   and marked not ``retryable`` when its prefill alone, on an idle worker,
+   would already miss the target.
 
 Batch requests are shed first: they must fit under ``batch_memory_fraction``
 of capacity (lower than interactive's ``memory_fraction``) and within
@@ -236,7 +239,7 @@ class SloGoodput:
                 best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))
 
         # Colocated: the same checks without a transfer, priced with the decodes it stalls.
-        ok = coloc_ok & decodable & (ttft_local <= budget_s)
+        ok = coloc_ok & decodable & (ttft_local <= budget_s) & self._may_colocate(t, is_long)
         if ok.any():
             cost = ttft_local + t.stall_per_prefill_s * prefill_s
             c = self._pick(ok, sure, -cost, held_q, r_q, limit)
@@ -245,7 +248,11 @@ class SloGoodput:
 
         if best is None:
             feasible_decode = decodable & (decode_ok | coloc_ok)
-            return self._refuse(t, ttft_local, feasible_decode, budget_s, elapsed_s, batch)
+            target_s = ttft_s * headroom if ttft_s is not None else math.inf
+            hopeless = self._best_prefill(t, prefill_s + encode_s) > target_s
+            return self._refuse(
+                t, ttft_local, feasible_decode, budget_s, elapsed_s, batch, hopeless
+            )
         plan = best[1]
         return plan if encode_worker is None else replace(plan, encode_worker=encode_worker)
 
@@ -255,6 +262,13 @@ class SloGoodput:
             return t.prefill_penalty
         pool = np.where(t.in_long_pool == is_long, t.prefill_penalty, np.inf)
         return pool if np.isfinite(pool).any() else t.prefill_penalty
+
+    def _may_colocate(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray | bool:
+        """Spatial split with a long pool: a long prompt prefills only there, never on a
+        colocated host, where it would hold up that host's short prefills."""
+        if self.length_split != SplitMode.SPATIAL or not t.in_long_pool.any():
+            return True
+        return np.logical_not(is_long)
 
     def _prefill_tokens(self, profile: RequestProfile) -> np.ndarray | float:
         """Effective prefill tokens: per worker from the prefix digests, else the gateway's."""
@@ -330,6 +344,11 @@ class SloGoodput:
             predicted_tpot_s=float(tpot_s),
         )
 
+    def _best_prefill(self, t: WorkerTable, ttft_s: np.ndarray | float) -> float:
+        """The least of ``ttft_s`` over the workers that can prefill."""
+        prefill_capable = t.in_roles((Role.PREFILL, *self.colocate_roles))
+        return float(np.min(np.where(prefill_capable, ttft_s, np.inf)))
+
     def _refuse(
         self,
         t: WorkerTable,
@@ -338,11 +357,13 @@ class SloGoodput:
         budget_s: float,
         elapsed_s: float,
         batch: bool,
+        hopeless: bool,
     ) -> Reject:
+        """``hopeless``: even an idle worker's prefill misses the TTFT target."""
         prefill_capable = t.in_roles((Role.PREFILL, *self.colocate_roles))
         if not prefill_capable.any() or not t.in_roles((Role.DECODE, *self.colocate_roles)).any():
             return Reject("no live worker", retry_after_s=self.min_retry_after_s)
-        best_ttft_s = float(np.min(np.where(prefill_capable, ttft_local, np.inf)))
+        best_ttft_s = self._best_prefill(t, ttft_local)
         if best_ttft_s > budget_s:
             reason = "ttft target unreachable"
         elif not decodable.any():
@@ -353,4 +374,5 @@ class SloGoodput:
         if reachable and not batch and elapsed_s < self.max_hold_s:
             return Reject(reason, retry_after_s=self.hold_retry_s, hold=True)
         best_wait_s = float(np.min(np.where(prefill_capable, t.wait_short_s, np.inf)))
-        return Reject(reason, retry_after_s=max(self.min_retry_after_s, best_wait_s))
+        retry_after_s = max(self.min_retry_after_s, best_wait_s)
+        return Reject(reason, retry_after_s=retry_after_s, retryable=not hopeless)

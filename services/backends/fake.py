@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -333,5 +334,5 @@ class FakeEngine:
         if num_seqs == 0:
             return
         context = sum(len(s.tokens) for s in self._running)
-        step = StepStats(1e-4 * num_seqs, num_prefill, num_seqs, context)
+        step = StepStats(1e-4 * num_seqs, num_prefill, num_seqs, context, time.monotonic())
         self._recent_steps = [*self._recent_steps[-15:], step]

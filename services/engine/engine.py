@@ -40,6 +40,7 @@ __all__ = ["EngineModelInfo", "LLMEngine"]
 
 _NUM_RECENT_STEPS = 64
 _NUM_RECENT_OUTPUTS = 200
+_PREFIX_DIGEST_BLOCKS = 4096  # most recently cached block hashes in the telemetry digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +170,7 @@ class LLMEngine:
             self._append_token(r, token_id, lp)
             for r, token_id, lp in zip(inputs.sample_requests, token_ids, logprobs)
         ]
-        self._record_step(inputs, time.perf_counter() - start_s)
+        self._record_step(inputs, time.perf_counter() - start_s, time.monotonic())
         return outputs
 
     def _advance(self, scheduled: Sequence[ScheduledRequest]) -> None:
@@ -249,13 +250,14 @@ class LLMEngine:
             self.scheduler.admission.observe_finished(r.num_output_tokens)
         return None
 
-    def _record_step(self, inputs: StepInputs, duration_s: float) -> None:
+    def _record_step(self, inputs: StepInputs, duration_s: float, end_s: float) -> None:
         self._recent_steps.append(
             StepStats(
                 duration_s=duration_s,
                 num_prefill_tokens=inputs.num_prefill_tokens,
                 num_decode_seqs=inputs.num_decode_seqs,
                 total_context_tokens=sum(inputs.batch.context_lens),
+                end_s=end_s,
             )
         )
 
@@ -314,6 +316,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+            cached_block_hashes=bm.cached_hashes(_PREFIX_DIGEST_BLOCKS),
         )
 
     def encode(self, text: str) -> list[int]:

@@ -18,7 +18,6 @@ Paired methods: ``can_allocate``/``allocate`` (admission, with prefix hits),
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 
 from kvtransfer.memory import alloc_region
 from kvtransfer.types import KVLayout
+from services.engine.block_hash import compute_block_hashes, hash_block
 
 __all__ = ["BlockManager", "allocate_kv_pool", "compute_block_hashes", "hash_block"]
 
@@ -39,27 +39,6 @@ def allocate_kv_pool(layout: KVLayout, num_blocks: int) -> torch.Tensor:
     # which roughly doubles cross-process pull speed (kvtransfer/memory.py).
     shape = (num_blocks, *layout.block_shape)
     return alloc_region(shape, _TORCH_DTYPES[layout.dtype], layout.device)
-
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """128-bit chained hash of one full block: stable across processes (unlike ``hash``)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update((parent_hash or 0).to_bytes(16, "little"))
-    h.update(b"\x01" if parent_hash is not None else b"\x00")
-    for t in token_ids:
-        h.update(int(t).to_bytes(8, "little", signed=True))
-    return int.from_bytes(h.digest(), "little")
-
-
-def compute_block_hashes(
-    token_ids: Sequence[int], block_size: int, start: int = 0, parent: int | None = None
-) -> list[int]:
-    """Hashes of the full blocks of ``token_ids`` from block index ``start`` (chained on ``parent``)."""
-    hashes: list[int] = []
-    for b in range(start, len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size])
-        hashes.append(parent)
-    return hashes
 
 
 @dataclass(slots=True)
@@ -91,6 +70,9 @@ class BlockManager:
         self._tables: dict[str, _Table] = {}
         self._held: dict[str, list[int]] = {}
         self.num_evictions = 0
+        self._digest_version = 0  # moves whenever ``_cached`` gains or loses a hash
+        # ((version, limit), hashes) as last built
+        self._digest: tuple[tuple[int, int], tuple[int, ...]] = ((0, 0), ())
 
     # -- counters ---------------------------------------------------------------
     @property
@@ -105,6 +87,16 @@ class BlockManager:
     @property
     def num_held_blocks(self) -> int:
         return sum(len(b) for b in self._held.values())
+
+    def cached_hashes(self, limit: int) -> tuple[int, ...]:
+        """Hashes of the cached full blocks (in use or reusable), the ``limit`` most
+        recently cached; rebuilt only when the cache changed since the last call."""
+        key, hashes = self._digest
+        if key != (self._digest_version, limit):
+            keys = list(self._cached)
+            hashes = tuple(keys[-limit:]) if limit > 0 else ()
+            self._digest = ((self._digest_version, limit), hashes)
+        return hashes
 
     def block_ids(self, request_id: str) -> list[int]:
         return self._tables[request_id].block_ids
@@ -201,6 +193,7 @@ class BlockManager:
             if h not in self._cached and block.block_hash is None:
                 block.block_hash = h
                 self._cached[h] = block.block_id
+                self._digest_version += 1
 
     # -- release ----------------------------------------------------------------
     def free(self, request_id: str) -> None:
@@ -268,4 +261,5 @@ class BlockManager:
     def _uncache(self, block: _Block) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            self._digest_version += 1
         block.block_hash = None

@@ -169,6 +169,7 @@ class StepStats:
     num_prefill_tokens: int
     num_decode_seqs: int
     total_context_tokens: int
+    end_s: float = 0.0  # when the step ended: the engine process's time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +186,9 @@ class EngineStats:
     num_preemptions: int
     num_prefix_hit_tokens: int  # cumulative
     num_prompt_tokens_computed: int  # cumulative
+    # Chained hashes (services/engine/block_hash.py) of cached full blocks, the most
+    # recently cached last: the router's prefix digest of this engine.
+    cached_block_hashes: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:

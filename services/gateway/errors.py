@@ -74,12 +74,20 @@ class PayloadTooLarge(APIError):
 
 
 class _RetryLater(APIError):
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    """``should_retry=False`` (the same request can never succeed, e.g. a TTFT target
+    below what an idle worker needs) adds ``x-should-retry: false``, which OpenAI
+    clients honour instead of retrying on their own."""
+
+    def __init__(self, message: str, retry_after_s: float, *, should_retry: bool = True) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.should_retry = should_retry
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        if not self.should_retry:
+            headers["x-should-retry"] = "false"
+        return headers
 
 
 class Overloaded(_RetryLater):

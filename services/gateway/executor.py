@@ -26,7 +26,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from router.policy import Policy
-from router.types import Plan, Reject, RequestProfile
+from router.types import SLO, Plan, Priority, Reject, RequestProfile
+from services.engine.block_hash import compute_block_hashes
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
 from services.engine.tokenizer import Tokenizer
@@ -84,12 +85,20 @@ class PlanExecutor:
         self._config = config
         self._on_worker_died = on_worker_died
 
+    def set_policy(self, name: str, policy: Policy) -> None:
+        """Place requests with ``policy`` from now on (placed ones are unaffected)."""
+        self._policy = policy
+        self._config = replace(self._config, policy_name=name)
+
     async def run(
         self,
         request_id: str,
         prompt_token_ids: tuple[int, ...],
         sampling: SamplingParams,
         arrival_s: float,
+        *,
+        slo: SLO | None = None,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one has ``finish_reason``; re-plan on failures."""
         profile = RequestProfile(
@@ -97,6 +106,9 @@ class PlanExecutor:
             num_prompt_tokens=len(prompt_token_ids),
             num_new_tokens=len(prompt_token_ids),
             max_tokens=sampling.max_tokens,
+            slo=slo or SLO(),
+            prefix_hashes=self._prefix_hashes(prompt_token_ids),
+            priority=priority,
             arrival_s=arrival_s,
         )
         detokenizer = IncrementalDetokenizer(
@@ -131,6 +143,13 @@ class PlanExecutor:
             self._metrics.retries.labels(reason).inc()
         raise ServiceFailure(f"request failed on {self._config.max_attempts} placements; giving up")
 
+    def _prefix_hashes(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        """The prompt's full blocks named as the workers name their cached blocks."""
+        block_size = self._state.block_size()
+        if block_size is None:
+            return ()
+        return tuple(compute_block_hashes(prompt, block_size))
+
     # -- placement ----------------------------------------------------------------------
     async def _place(self, profile: RequestProfile) -> Plan:
         deadline_s = time.monotonic() + self._config.max_hold_s
@@ -145,9 +164,11 @@ class PlanExecutor:
                     return decision
                 case Reject(hold=True) | Plan() if time.monotonic() < deadline_s:
                     await asyncio.sleep(self._config.hold_poll_s)
-                case Reject(reason=reason, retry_after_s=retry_after_s):
+                case Reject(reason=reason, retry_after_s=retry_after_s, retryable=retryable):
                     self._metrics.rejections.labels(reason, profile.priority.value).inc()
-                    raise Overloaded(f"request rejected: {reason}", retry_after_s)
+                    raise Overloaded(
+                        f"request rejected: {reason}", retry_after_s, should_retry=retryable
+                    )
                 case Plan():
                     raise Overloaded("the planned workers are gone", 1.0)
 

@@ -1,7 +1,8 @@
 """From a validated OpenAI request to the work to run: prompts, choices, sampling.
 
 prompts -> token ids (done by the caller), SamplingParams per choice (prompts x n),
-context-length checks: every problem is a 400 naming the field.
+context-length checks: every problem is a 400 naming the field; the request's
+latency targets (milliseconds on the wire, seconds for the router) and priority.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from router.types import SLO, Priority
 from services.engine.messages import InvalidRequestError, SamplingParams
 from services.gateway.errors import BadRequest
 from services.gateway.openai_format import Endpoint, Formatter
@@ -39,6 +41,8 @@ class Generation:
     continuous_usage: bool
     logprobs: bool
     echo_texts: tuple[str, ...] = ()
+    slo: SLO = field(default_factory=SLO)  # as asked; the service fills in the defaults
+    priority: Priority = Priority.INTERACTIVE
 
 
 def _sampling(
@@ -131,6 +135,18 @@ def _generation(
         stream=body.stream,
         continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
         logprobs=logprobs is not None,
+        slo=_slo(body),
+        priority=Priority(body.priority),
+    )
+
+
+def _slo(body: ChatCompletionRequest | CompletionRequest) -> SLO:
+    if body.slo is None:
+        return SLO()
+    ttft_ms, tpot_ms = body.slo.ttft_ms, body.slo.tpot_ms
+    return SLO(
+        ttft_s=None if ttft_ms is None else ttft_ms / 1e3,
+        tpot_s=None if tpot_ms is None else tpot_ms / 1e3,
     )
 
 

@@ -2,6 +2,10 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Range checks live
 here so FastAPI reports them; our handler turns them into 400s naming the field.
+
+Two fields are ours, not OpenAI's: ``slo`` (per-request latency targets, each
+falling back to ``router.default_slo``) and ``priority`` (``batch`` requests are
+shed first under load).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "ContentPart",
+    "LatencyTargets",
     "StreamOptions",
 ]
 
@@ -44,6 +49,17 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
+class LatencyTargets(_Body):
+    """Targets for this request; one left out takes the server's ``router.default_slo``."""
+
+    ttft_ms: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="time to first token, milliseconds"
+    )
+    tpot_ms: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="time per output token, milliseconds"
+    )
+
+
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
 
@@ -67,6 +83,10 @@ class _Sampling(_Body):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     user: str | None = None
+    slo: LatencyTargets | None = Field(None, description="Baton: latency targets")
+    priority: Literal["interactive", "batch"] = Field(
+        "interactive", description="Baton: batch requests are shed first under load"
+    )
 
 
 class CompletionRequest(_Sampling):

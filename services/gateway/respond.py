@@ -97,7 +97,15 @@ async def _events(
     svc: GatewayService, gen: Generation, arrival_s: float
 ) -> AsyncGenerator[tuple[int, TokenDelta], None]:
     streams = [
-        svc.generate(c.request_id, c.prompt_token_ids, c.sampling, arrival_s) for c in gen.choices
+        svc.generate(
+            c.request_id,
+            c.prompt_token_ids,
+            c.sampling,
+            arrival_s,
+            slo=gen.slo,
+            priority=gen.priority,
+        )
+        for c in gen.choices
     ]
     async for item in _merge(streams):
         yield item

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from router.planner import RatioPlanner
 from router.policy import Policy, available_policies, make_policy, make_policy_from_settings
-from router.types import SLO, Role
+from router.types import SLO, Priority, Role
 from services.cluster.controller import Controller, ControllerConfig, Launcher
 from services.cluster.rebalance import Rebalancer
 from services.config import GatewayConfig, ModelConfig, RouterConfig
@@ -170,11 +170,30 @@ class GatewayService:
         prompt_token_ids: tuple[int, ...],
         sampling: SamplingParams,
         arrival_s: float,
+        *,
+        slo: SLO | None = None,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> AsyncIterator[TokenDelta]:
+        """Run one request; targets ``slo`` leaves out are ``router.default_slo``'s."""
         n = len(prompt_token_ids)
         m = self._mean_prompt_tokens
         self._mean_prompt_tokens = n if m == 0 else m + _PROMPT_EMA_WEIGHT * (n - m)
-        return self.executor.run(request_id, prompt_token_ids, sampling, arrival_s)
+        return self.executor.run(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            arrival_s,
+            slo=self.request_slo(slo or SLO()),
+            priority=priority,
+        )
+
+    def request_slo(self, asked: SLO) -> SLO:
+        """``asked`` with each missing target taken from ``router.default_slo``."""
+        default = self.settings.router.default_slo
+        return SLO(
+            ttft_s=asked.ttft_s if asked.ttft_s is not None else default.ttft_ms / 1e3,
+            tpot_s=asked.tpot_s if asked.tpot_s is not None else default.tpot_ms / 1e3,
+        )
 
     def worker_client(self, worker_id: str) -> WorkerClient | None:
         return self.controller.client(worker_id)

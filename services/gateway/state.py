@@ -40,6 +40,9 @@ class ClusterState:
         self._reservations: dict[int, Reservation] = {}
         self._tokens = itertools.count()
         self._output_lens: deque[int] = deque(maxlen=_OUTPUT_HISTORY)
+        # worker -> (digest as sent, as a set): rebuilt only when a worker's digest changed,
+        # and the same set object otherwise (the router compares digests by identity first).
+        self._digests: dict[str, tuple[tuple[int, ...], frozenset[int]]] = {}
 
     # -- telemetry and health ------------------------------------------------------
     def update(self, snapshot: WorkerSnapshot) -> None:
@@ -49,6 +52,10 @@ class ClusterState:
         if previous is not None and snapshot.seq <= previous.seq:
             return  # out of order
         self._snapshots[snapshot.worker_id] = snapshot
+        known = self._digests.get(snapshot.worker_id)
+        if known is None or known[0] != snapshot.prefix_digest:
+            digest = snapshot.prefix_digest
+            self._digests[snapshot.worker_id] = (digest, frozenset(digest))
 
     def record_output_len(self, num_tokens: int) -> None:
         self._output_lens.append(num_tokens)
@@ -56,6 +63,7 @@ class ClusterState:
     def mark_dead(self, worker_id: str) -> None:
         self._dead.add(worker_id)
         self._snapshots.pop(worker_id, None)
+        self._digests.pop(worker_id, None)
         for token, r in list(self._reservations.items()):
             if r.worker_id == worker_id:
                 del self._reservations[token]
@@ -65,6 +73,11 @@ class ClusterState:
 
     def snapshots(self) -> dict[str, WorkerSnapshot]:
         return dict(self._snapshots)
+
+    def block_size(self) -> int | None:
+        """The KV block size prompts are hashed by for prefix matching (the smallest reported)."""
+        sizes = [s.block_size for s in self._snapshots.values()]
+        return min(sizes) if sizes else None
 
     def max_model_len(self) -> int | None:
         lens = [s.max_model_len for s in self._snapshots.values()]
@@ -122,4 +135,5 @@ class ClusterState:
             kv_bytes_per_token=s.kv_bytes_per_token,
             max_num_seqs=s.max_num_seqs,
             draining=s.draining,
+            prefix_digest=self._digests[s.worker_id][1],
         )

@@ -21,7 +21,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -59,7 +58,6 @@ _IDLE_POLL_S = 0.0005  # while a pull is in flight
 # serialisation does not compete with the token that caused it; and no more often
 # than every _MIN_PUBLISH_GAP_S under load.
 _PUBLISH_DELAY_S = 0.002
-_STEP_HISTORY = 256  # step end times kept to stamp the engine's recent steps
 _MIN_PUBLISH_GAP_S = 0.005
 
 
@@ -123,7 +121,6 @@ class EngineLoop:
         self._held: dict[str, str] = {}  # request_id -> transfer_id of its hold
         self._seq = 0
         self._num_finished = 0
-        self._step_ends_s: deque[float] = deque(maxlen=_STEP_HISTORY)
         self._last_publish_s = 0.0
         self._dirty = True
         self._dirty_since_s = 0.0
@@ -175,9 +172,7 @@ class EngineLoop:
     def _step(self) -> list[RequestOutput]:
         if not self._engine.has_unfinished():
             return []
-        outputs = self._engine.step()
-        self._step_ends_s.append(time.monotonic())
-        return outputs
+        return self._engine.step()
 
     def _wait_for_work(self) -> None:
         if self._pulls:
@@ -349,7 +344,6 @@ class EngineLoop:
                 num_pending_pulls=len(self._pulls),
                 num_finished_requests=self._num_finished,
                 max_num_seqs=self._max_num_seqs,
-                step_ends_s=tuple(self._step_ends_s),
             ),
         )
 

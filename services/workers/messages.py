@@ -119,6 +119,7 @@ class WorkerSnapshot:
     kv_bytes_per_token: int
     max_num_seqs: int
     max_model_len: int
+    prefix_digest: tuple[int, ...] = ()  # hashes of cached full blocks (block_hash.py)
 
     @property
     def num_used_blocks(self) -> int:

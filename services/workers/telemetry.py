@@ -25,7 +25,6 @@ class LoopState:
     num_pending_pulls: int
     num_finished_requests: int
     max_num_seqs: int
-    step_ends_s: tuple[float, ...]  # when the loop's recent step() calls returned
 
 
 def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
@@ -47,7 +46,7 @@ def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
             RunningRequest(r.num_tokens_held, r.num_generated, r.max_tokens) for r in stats.running
         ),
         waiting_prompt_lens=stats.waiting_prompt_lens,
-        recent_steps=stamp_steps(stats.recent_steps, loop.step_ends_s),
+        recent_steps=step_samples(stats.recent_steps),
         recent_output_lens=stats.recent_output_lens,
         num_preemptions=stats.num_preemptions,
         num_pending_pulls=loop.num_pending_pulls,
@@ -55,20 +54,16 @@ def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
         kv_bytes_per_token=layout.block_bytes // layout.block_size,
         max_num_seqs=loop.max_num_seqs,
         max_model_len=engine.model_info.max_model_len,
+        prefix_digest=stats.cached_block_hashes,
     )
 
 
-def stamp_steps(steps: Sequence[StepStats], ends_s: Sequence[float]) -> tuple[StepSample, ...]:
-    """Steps with the time each ended (the router de-duplicates telemetry by it).
-
-    The engine's StepStats carry no clock, so the newest steps are matched with
-    the loop's newest ``step()`` calls, in order.
-    """
-    ends = list(ends_s)[-len(steps) :] if steps else []
-    ends = [0.0] * (len(steps) - len(ends)) + ends
+def step_samples(steps: Sequence[StepStats]) -> tuple[StepSample, ...]:
+    """The engine's recent steps for the router, each with its end time (the router's
+    cost model reads a step once: the first snapshot whose step ends later than the last)."""
     return tuple(
         StepSample(
-            s.duration_s, s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens, end_s
+            s.duration_s, s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens, s.end_s
         )
-        for s, end_s in zip(steps, ends, strict=True)
+        for s in steps
     )

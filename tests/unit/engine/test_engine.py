@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -217,10 +219,14 @@ def test_abort_frees_blocks_and_stats_track_the_step() -> None:
     total = engine.stats().num_total_blocks
     engine.add_request(EngineRequest("a", prompt(9), greedy(50)))
     engine.add_request(EngineRequest("b", prompt(5), greedy(50)))
+    before_s = time.monotonic()
     engine.step()
     engine.step()
+    after_s = time.monotonic()
     s = engine.stats()
     assert {r.request_id for r in s.running} == {"a", "b"}
+    ends = [step.end_s for step in s.recent_steps]
+    assert before_s < ends[0] < ends[1] <= after_s  # stamped by the engine, in order
     assert s.recent_steps[0].num_prefill_tokens == 14
     assert s.recent_steps[1].num_decode_seqs == 2
     assert s.recent_steps[1].total_context_tokens == 10 + 6

@@ -169,3 +169,21 @@ def test_reset_prefix_cache_forgets_unreferenced_blocks() -> None:
     bm.reset_prefix_cache()
     assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 4
     assert bm.find_cached_prefix(toks(9)) == []
+
+
+def test_cached_hashes_digest_follows_the_cache_newest_last() -> None:
+    bm = BlockManager(4, BS)
+    a, b = toks(8), toks(8, 100)
+    fill(bm, "a", a)
+    assert bm.cached_hashes(16) == tuple(compute_block_hashes(a, BS))
+    bm.free("a")  # still cached, so still in the digest
+    fill(bm, "b", b)
+    newest = tuple(compute_block_hashes(b, BS))
+    assert bm.cached_hashes(16) == (*compute_block_hashes(a, BS), *newest)
+    assert bm.cached_hashes(2) == newest  # capped to the most recently cached
+    bm.free("b")
+    fill(bm, "c", toks(12, 200))  # needs 3 of 4 blocks: evicts cached ones, oldest first
+    digest = bm.cached_hashes(16)
+    assert compute_block_hashes(a, BS)[1] not in digest
+    assert digest[-3:] == tuple(compute_block_hashes(toks(12, 200), BS))
+    assert bm.cached_hashes(16) is digest  # unchanged cache: the same tuple, not rebuilt

@@ -311,3 +311,16 @@ def test_finished_lengths_in_the_view_replace_the_pessimistic_prior() -> None:
     )
     warm_view = type(warm_view)(workers=warm_view.workers, recent_output_lens=(20,) * 300)
     assert plan_of(pol.plan(request(PROMPT), warm_view, 0.0)).decode_worker == "d"
+
+
+def test_spatial_split_never_colocates_a_long_prompt_beside_short_ones() -> None:
+    """An idle decode host is the cheapest place for a long prefill (no transfer), but
+    under the spatial split it would hold up the short prefills colocated there."""
+    v = view(worker("p0", Role.PREFILL), worker("p1", Role.PREFILL), worker("d", Role.DECODE))
+    coloc = {"colocate_roles": (Role.MIXED, Role.DECODE), "length_threshold_tokens": 256}
+    temporal = policy(**coloc)
+    assert plan_of(temporal.plan(request(2000), v, 0.0)).prefill_worker == "d"  # colocated
+    spatial = policy(length_split="spatial", spatial_long_fraction=0.5, **coloc)
+    long = plan_of(spatial.plan(request(2000), v, 0.0))
+    assert (long.prefill_worker, long.decode_worker) == ("p1", "d")
+    assert plan_of(spatial.plan(request(50), v, 0.0)).prefill_worker in {"p0", "d"}

@@ -9,9 +9,11 @@ import time
 import pytest
 
 from kvtransfer import make_connector
-from router.types import Role
+from router.policies.slo_goodput import SloGoodput
+from router.types import Role, StepSample
 from services.backends.fake import FakeEngine, FakeTokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+from services.gateway.state import ClusterState
 from services.workers.messages import Continue, Generate, KVPulled, TokenDelta, WorkerSnapshot
 from services.workers.worker import Worker, WorkerSpec
 
@@ -146,3 +148,34 @@ async def test_unpulled_hold_expires_with_its_lease(worker) -> None:  # type: ig
     await asyncio.sleep(1.3)  # lease_s = 1.0
     snap = await p.snapshot()
     assert snap.num_held_blocks == 0 and snap.num_used_blocks == 0
+
+
+async def test_router_refits_from_each_engine_step_exactly_once(worker) -> None:  # type: ignore[no-untyped-def]
+    """Every snapshot repeats the engine's recent steps; their engine-side ``end_s``
+    lets the router's cost model take each step once, however many snapshots carry it."""
+    w = worker()
+    policy = SloGoodput()
+    observed: list[StepSample] = []
+    policy.cost_model("w").observe = observed.append  # type: ignore[method-assign]
+    state = ClusterState()
+    snapshots: list[WorkerSnapshot] = []
+
+    async def watch() -> None:
+        async for s in w.telemetry():
+            snapshots.append(s)
+
+    task = asyncio.create_task(watch())
+    for i in range(3):
+        async for _ in w.generate(Generate(request(f"r{i}", max_tokens=4))):
+            await asyncio.sleep(0.01)  # let telemetry interleave with the steps
+    snapshots.append(await w.snapshot())
+    task.cancel()
+    for s in snapshots:
+        state.update(s)
+        policy.refresh(state.view())
+    steps = snapshots[-1].recent_steps
+    assert len(steps) >= 12  # 3 requests x 4 tokens, all still in the engine's history
+    assert sum(len(s.recent_steps) for s in snapshots) > len(steps)  # repeated across snapshots
+    ends = [s.end_s for s in steps]
+    assert all(e > 0 for e in ends) and ends == sorted(set(ends))
+    assert observed == list(steps)
