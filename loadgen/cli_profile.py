@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 
 from loadgen.client import discover_model, send_request
-from loadgen.sim.profile import Profile, QuadCoeffs, load_profile
+from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
 
 __all__ = ["add_arguments", "fit_nonnegative", "fit_robust", "measure_profile", "run"]
@@ -86,10 +86,14 @@ def fit_robust(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
 
 async def _prefill_points(
     client: httpx.AsyncClient, url: str, kind: str, model: str, lens: Sequence[int], repeats: int
-) -> list[tuple[int, float]]:
-    points = []
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(tokens, median TTFT s) per prompt length, and (tokens, median hand-off gap s):
+    the gap between the first and second token, which spans the KV pull to the
+    decode worker plus one decode step."""
+    points, handoffs = [], []
     for n in lens:
-        ttfts = []
+        ttfts: list[float] = []
+        gaps: list[float] = []
         for r in range(repeats + 1):  # the first of each length warms up
             # Two tokens, so the probe takes a real request's path (prefill-only, hold,
             # first token streamed while decode is planned); TTFT is its first event.
@@ -99,8 +103,11 @@ async def _prefill_points(
                 raise RuntimeError(f"prefill probe of {n} tokens failed: {rec.error}")
             if r:
                 ttfts.append(rec.ttft_s)
+                gaps.extend(rec.itl_s[:1])
         points.append((n, statistics.median(ttfts)))
-    return points
+        if gaps:
+            handoffs.append((n, statistics.median(gaps)))
+    return points, handoffs
 
 
 async def _decode_points(
@@ -140,7 +147,7 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
     url = f"{base}/v1/chat/completions" if kind == "chat" else f"{base}/v1/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
         model = args.model or await discover_model(client, base)
-        prefill = await _prefill_points(
+        prefill, handoffs = await _prefill_points(
             client, url, kind, model, _ints(args.prefill_lens), args.repeats
         )
         decode = await _decode_points(
@@ -162,6 +169,7 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
         np.stack([np.ones_like(b), b, ctx], axis=1), np.array([p[2] for p in decode])
     )
     seed = load_profile(args.base_profile)
+    transfer = _fit_transfer_latency(handoffs, d_coeffs, seed)
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     sources = (
         f"prefill and decode measured by `baton profile` against {base} (model {model}) at {when}",
@@ -170,7 +178,10 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
         "decode points (batch, context tokens, median ITL s): "
         + json.dumps([[int(a), int(c), round(t, 6)] for a, c, t in decode]),
         "prefill includes the server's HTTP and scheduling overhead (TTFT of a 2-token request)",
-        f"transfer, kv_bytes_per_token, num_kv_blocks, block_size, max_num_seqs copied from {seed.model} base profile:",
+        "transfer latency: median hand-off gap (first to second token) minus one decode step "
+        "and the bytes at the base profile's bandwidth: "
+        + json.dumps([[int(a), round(t, 6)] for a, t in handoffs]),
+        f"transfer bandwidth, kv_bytes_per_token, num_kv_blocks, block_size, max_num_seqs copied from {seed.model} base profile:",
         *seed.sources,
     )
     return replace(
@@ -179,8 +190,26 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
         hardware=args.hardware,
         prefill=QuadCoeffs(*(float(x) for x in p_coeffs)),
         decode=QuadCoeffs(*(float(x) for x in d_coeffs)),
+        transfer=transfer,
         sources=sources,
     )
+
+
+def _fit_transfer_latency(
+    handoffs: Sequence[tuple[int, float]], d_coeffs: np.ndarray, seed: Profile
+) -> TransferCoeffs:
+    """The fixed cost of handing a request from prefill to decode, seen over HTTP.
+
+    Each gap = latency + n·kv_bytes_per_token/bandwidth + one decode step (batch 1,
+    context n); what is left after the modelled parts is the latency (never negative).
+    """
+    bw = seed.transfer.bandwidth_bytes_per_s
+    rest = [
+        gap - n * seed.kv_bytes_per_token / bw - (d_coeffs[0] + d_coeffs[1] + d_coeffs[2] * n)
+        for n, gap in handoffs
+    ]
+    latency_s = max(0.0, statistics.median(rest)) if rest else seed.transfer.latency_s
+    return TransferCoeffs(bandwidth_bytes_per_s=bw, latency_s=float(latency_s))
 
 
 def run(args: argparse.Namespace) -> int:

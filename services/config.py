@@ -95,7 +95,10 @@ class SLOConfig(_Section):
 class RouterConfig(_Section):
     policy: str = "slo_goodput"
     default_slo: SLOConfig = SLOConfig()
-    length_split: Literal["temporal", "spatial"] = "temporal"
+    length_split: Literal["temporal", "spatial"] = Field(
+        "spatial",
+        description="spatial: long prompts get their own prefill workers (the engine serves a worker FCFS); temporal: shared",
+    )
     length_threshold_tokens: int | None = Field(
         None, ge=1, description="None: the knee of the prefill curve"
     )
