@@ -15,14 +15,17 @@ best-of-N below would then favour HF's luckiest difference.)
 
 Both sides get the same weights, prompts, threads, greedy decoding and number
 of new tokens, and a warm-up; HF runs with its defaults (SDPA attention,
-``DynamicCache``). The best of ``--repeats`` alternated runs is kept.
+``DynamicCache``). The best of ``--repeats`` alternated runs is kept. On CPU the
+clock is the process's CPU time (``--clock wall`` for elapsed time): on a shared
+machine other processes' time slices would otherwise land on whichever side ran then.
 
 One JSON object per line: model, phase, batch, tokens_per_s, baseline_tokens_per_s, ratio.
 Decode rows add ``matmul_floor_tokens_per_s``: the rate if a step did nothing but
 the model's own ``F.linear`` calls at that batch (no attention, no Python), an
 upper bound for any implementation on the same kernels, and ``gflop_per_s`` /
 ``baseline_gflop_per_s``: the linear-layer FLOPs each side achieves.
-Usage: ``python benchmarks/engine.py [--device cuda] [--threads 2] [--models tiny,llama100m]``.
+Usage: ``python benchmarks/engine.py [--device cuda] [--threads 2] [--models tiny,llama100m]
+[--clock wall]``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,14 @@ class Workload:
 class Phases:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+
+
+_CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter  # chosen once in main()
+
+
+def now() -> float:
+    return _clock()
 
 
 def sync(device: str) -> None:
@@ -150,15 +161,15 @@ def run_ours(loaded: LoadedModel, prompts: list[list[int]], w: Workload, device:
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", tuple(p), sampling))
     sync(device)
-    t0 = time.perf_counter()
+    t0 = now()
     first = engine.step()
     sync(device)
-    t1 = time.perf_counter()
+    t1 = now()
     assert len(first) == batch, "every prompt should prefill in one step"
     while engine.has_unfinished():
         engine.step()
     sync(device)
-    t2 = time.perf_counter()
+    t2 = now()
     return Phases(batch * w.prompt_len / (t1 - t0), batch * w.num_new_tokens / (t2 - t1))
 
 
@@ -172,14 +183,14 @@ def run_hf(model: Any, prompts: list[list[int]], w: Workload, device: str) -> Ph
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> Any:
             sync(device)
-            self.stamps_s.append(time.perf_counter())
+            self.stamps_s.append(now())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     ids = torch.tensor(prompts, device=device)
     model.generation_config.eos_token_id = None
     clock = TokenClock()
     sync(device)
-    t0 = time.perf_counter()
+    t0 = now()
     with torch.no_grad():
         model.generate(
             ids,
@@ -215,11 +226,11 @@ def matmul_floor_tokens_per_s(loaded: LoadedModel, batch: int, device: str, repe
     times = []
     for _ in range(repeats):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(8):
             step()
         sync(device)
-        times.append((time.perf_counter() - t0) / 8)
+        times.append((now() - t0) / 8)
     return batch / min(times)
 
 
@@ -254,7 +265,12 @@ def bench_model(
         ]
         ours = best([o for o, _ in runs])
         base = best([b for _, b in runs])
-        common = {"prompt_len": w.prompt_len, "num_new_tokens": w.num_new_tokens, "device": device}
+        common = {
+            "prompt_len": w.prompt_len,
+            "num_new_tokens": w.num_new_tokens,
+            "device": device,
+            "clock": "wall" if _clock is time.perf_counter else "cpu",
+        }
         prefill = row(name, "prefill", batch, ours.prefill_tokens_per_s, base.prefill_tokens_per_s)
         emit(prefill | common)
         gflop_per_token = linear_flops_per_token(loaded) / 1e9
@@ -291,8 +307,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="tiny,llama100m")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each; the best is kept")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(_CLOCKS),
+        help="cpu: this process's CPU seconds, which time slices lost to other processes on a "
+        "shared machine do not inflate (default on CPU); wall: elapsed time (default on CUDA)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global _clock
+    clock = args.clock or ("wall" if args.device.startswith("cuda") else "cpu")
+    _clock = _CLOCKS[clock]
     torch.manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     on_gpu = args.device.startswith("cuda")
