@@ -202,19 +202,23 @@ def _additive_mask(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """0 where a query ([S, qlen] positions) may see a key, else -inf; heads folded in."""
+    # Built on the device from the small position array: on a GPU the mask can be large
+    # (sequences x queries x keys) and should not cross from the host every step.
     num_seqs, max_query_len = query_pos.shape
-    key_pos = np.arange(num_keys, dtype=np.int64)
-    hidden = key_pos > query_pos[:, :, None]
+    q_pos = _to_device(query_pos, device)[:, :, None]
+    key_pos = torch.arange(num_keys, device=device)
+    hidden = key_pos > q_pos
     if sliding_window is not None:
-        hidden |= key_pos <= query_pos[:, :, None] - sliding_window
+        hidden |= key_pos <= q_pos - sliding_window
     # Additive, in the activation dtype: SDPA would convert a boolean mask in every layer.
-    bias = np.where(hidden, np.float32("-inf"), np.float32(0.0))
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
     if max_query_len == 1:  # decode: one row per sequence, broadcast over heads
-        return torch.from_numpy(bias[:, None]).to(device=device, dtype=dtype)
-    folded = np.broadcast_to(
-        bias[:, None, None], (num_seqs, 1, group, max_query_len, num_keys)
-    ).reshape(num_seqs, 1, group * max_query_len, num_keys)
-    return torch.from_numpy(folded).to(device=device, dtype=dtype)
+        return bias[:, None]
+    return (
+        bias[:, None, None]
+        .expand(num_seqs, 1, group, max_query_len, num_keys)
+        .reshape(num_seqs, 1, group * max_query_len, num_keys)
+    )
 
 
 def _gather_rows(block_ids: np.ndarray, pool: PoolView, device: torch.device) -> torch.Tensor:
