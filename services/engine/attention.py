@@ -101,6 +101,7 @@ class AttentionMetadata:
         dtype: torch.dtype,
     ) -> AttentionMetadata:
         query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+        context_lens = np.asarray(batch.context_lens, dtype=np.int64)
         starts = np.cumsum(query_lens) - query_lens
         positions = batch.positions.to(device)
         groups = []
@@ -108,24 +109,27 @@ class AttentionMetadata:
             if seqs.size:
                 groups.append(
                     _build_group(
-                        batch, seqs, query_lens, starts, positions, pool,
+                        batch, seqs, query_lens, context_lens, starts, positions, pool,
                         num_queries_per_kv, sliding_window, device, dtype,
                     )
                 )  # fmt: skip
-        slots = batch.slot_mapping.to(device)
+        slots = batch.slot_mapping.cpu().numpy()
         bs, per_block = pool.block_size, pool.heads_per_block
-        blocks = torch.div(slots, bs, rounding_mode="floor")
         # token row = ((block * layers + layer) * 2 * kv_heads + c * kv_heads + h) * bs + offset
-        first = blocks * (pool.num_layers * per_block * bs) + slots % bs
-        head_offsets = torch.arange(per_block, device=device) * bs
-        write_rows = (first[:, None] + head_offsets).view(-1)
-        return cls(write_rows=write_rows, groups=groups)
+        first = (slots // bs) * (pool.num_layers * per_block * bs) + slots % bs
+        write_rows = first[:, None] + np.arange(per_block, dtype=np.int64) * bs
+        return cls(write_rows=_to_device(write_rows.reshape(-1), device), groups=groups)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device)
 
 
 def _build_group(
     batch: ForwardBatch,
     seqs: np.ndarray,
     query_lens: np.ndarray,
+    all_context_lens: np.ndarray,
     starts: np.ndarray,
     positions: torch.Tensor,
     pool: PoolView,
@@ -134,41 +138,47 @@ def _build_group(
     device: torch.device,
     dtype: torch.dtype,
 ) -> SeqGroup:
-    # Index arrays are built with numpy and become tensors in one call each:
-    # per-sequence tensor ops would cost more than the attention itself at decode.
+    # Index arrays and the mask are built with numpy and become tensors in one call each:
+    # per-sequence (or even per-array) torch ops would cost more than decode attention itself.
     num_seqs = int(seqs.size)
     group_query_lens = query_lens[seqs]
+    context_lens = all_context_lens[seqs]
     max_query_len = int(group_query_lens.max())
-    context_lens = [batch.context_lens[i] for i in seqs]
     block_size = pool.block_size
-    max_blocks = -(-max(context_lens) // block_size)
-    tables = [batch.block_tables[i][:max_blocks] for i in seqs]
-    block_ids = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int64)
+    max_blocks = -(-int(context_lens.max()) // block_size)
+    block_ids = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+    for j, i in enumerate(seqs.tolist()):
+        table = batch.block_tables[i][:max_blocks]
+        block_ids[j, : len(table)] = table
     covers_all = num_seqs == len(batch.query_lens)
     fresh = (
         max_query_len > 1
         and sliding_window is None
-        and all(c == q for c, q in zip(context_lens, group_query_lens.tolist()))
+        and bool((context_lens == group_query_lens).all())
     )
+    # A sequence's new tokens sit at the end of its context.
+    first_pos = context_lens - group_query_lens
     if max_query_len == 1:
-        token_index = None if covers_all else torch.from_numpy(starts[seqs]).to(device)
+        token_index = None if covers_all else _to_device(starts[seqs], device)
         row = col = None
-        query_pos = (positions if token_index is None else positions[token_index])[:, None]
+        query_pos = first_pos[:, None]
     else:
         row_np = np.repeat(np.arange(num_seqs), group_query_lens)
         col_np = np.arange(row_np.size) - np.repeat(
             np.cumsum(group_query_lens) - group_query_lens, group_query_lens
         )
         token_np = starts[seqs][row_np] + col_np
-        token_index = None if covers_all else torch.from_numpy(token_np).to(device)
-        row, col = torch.from_numpy(row_np).to(device), torch.from_numpy(col_np).to(device)
+        token_index = None if covers_all else _to_device(token_np, device)
+        row, col = _to_device(row_np, device), _to_device(col_np, device)
         # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
-        query_pos = torch.zeros(num_seqs, max_query_len, dtype=torch.int64, device=device)
-        query_pos[row, col] = positions if token_index is None else positions[token_index]
+        query_pos = np.zeros((num_seqs, max_query_len), dtype=np.int64)
+        query_pos[row_np, col_np] = first_pos[row_np] + col_np
     if fresh:
         mask = positions.new_empty(0)  # unused: causal attention needs no explicit mask
     else:
-        mask = _additive_mask(query_pos, max_blocks * block_size, group, sliding_window, dtype)
+        mask = _additive_mask(
+            query_pos, max_blocks * block_size, group, sliding_window, device, dtype
+        )
     return SeqGroup(
         token_index=token_index,
         row=row,
@@ -184,21 +194,33 @@ def _build_group(
 
 
 def _additive_mask(
-    query_pos: torch.Tensor,
+    query_pos: np.ndarray,
     num_keys: int,
     group: int,
     sliding_window: int | None,
+    device: torch.device,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """0 where a query ([S, qlen] positions) may see a key, else -inf; heads folded in."""
     num_seqs, max_query_len = query_pos.shape
-    key_pos = torch.arange(num_keys, device=query_pos.device)
-    hidden = key_pos > query_pos[:, :, None]
-    if sliding_window is not None:
-        hidden |= key_pos <= query_pos[:, :, None] - sliding_window
-    # Additive, in the activation dtype: SDPA would convert a boolean mask in every layer.
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=query_pos.device)
-    bias.masked_fill_(hidden, float("-inf"))
+    if device.type == "cpu":
+        # numpy's small ops cost about a third of torch's (~30 us a decode step).
+        np_hidden = np.arange(num_keys) > query_pos[:, :, None]
+        if sliding_window is not None:
+            np_hidden |= np.arange(num_keys) <= query_pos[:, :, None] - sliding_window
+        bias = torch.from_numpy(np.where(np_hidden, np.float32("-inf"), np.float32(0)))
+        bias = bias.to(dtype)
+    else:
+        # On the device from the small position array: the mask (sequences x queries x
+        # keys) can be large and should not cross from the host every step.
+        q_pos = _to_device(query_pos, device)[:, :, None]
+        key_pos = torch.arange(num_keys, device=device)
+        hidden = key_pos > q_pos
+        if sliding_window is not None:
+            hidden |= key_pos <= q_pos - sliding_window
+        bias = torch.zeros(hidden.shape, dtype=dtype, device=device)
+        bias.masked_fill_(hidden, float("-inf"))
+    # (Additive, in the activation dtype: SDPA would convert a boolean mask in every layer.)
     if max_query_len == 1:  # decode: one row per sequence, broadcast over heads
         return bias[:, None]
     return (
@@ -213,7 +235,7 @@ def _gather_rows(block_ids: np.ndarray, pool: PoolView, device: torch.device) ->
     per_block = pool.heads_per_block
     first = block_ids.reshape(1, -1) * (pool.num_layers * per_block)
     rows = first + np.arange(per_block, dtype=np.int64).reshape(-1, 1)
-    return torch.from_numpy(rows.reshape(-1)).to(device)
+    return _to_device(rows.reshape(-1), device)
 
 
 def write_kv(

@@ -41,6 +41,7 @@ class IncrementalDetokenizer:
         self._text = ""  # all output text decoded so far
         self._num_emitted_chars = 0
         self._stopped = False
+        self._prefix_cache: tuple[tuple[int, int], str] = ((-1, -1), "")
 
     @property
     def text(self) -> str:
@@ -65,7 +66,7 @@ class IncrementalDetokenizer:
         if self._stopped:
             return ""
         tail = self._tokenizer.decode(self._ids[self._prefix_offset :])
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix = self._prefix_text()
         self._text += tail[len(prefix) :]
         self._read_offset = self._prefix_offset = len(self._ids)
         out = self._text[self._num_emitted_chars :]
@@ -73,13 +74,20 @@ class IncrementalDetokenizer:
         return out
 
     def _decode_new_text(self) -> str:
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix = self._prefix_text()
         full = self._tokenizer.decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""  # nothing new yet, or a multi-byte character still incomplete
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return full[len(prefix) :]
+
+    def _prefix_text(self) -> str:
+        """The decoded window before the unread tokens; unchanged while text is held back."""
+        window = (self._prefix_offset, self._read_offset)
+        if self._prefix_cache[0] != window:
+            self._prefix_cache = (window, self._tokenizer.decode(self._ids[slice(*window)]))
+        return self._prefix_cache[1]
 
     def _emit(self, search_from: int) -> tuple[str, bool]:
         stop_at = self._find_stop(search_from)

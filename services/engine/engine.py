@@ -192,8 +192,11 @@ class LLMEngine:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         if not inputs.sample_requests:
             return [], []
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if len(inputs.sample_rows) < hidden.shape[0]:
+            rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
+            hidden = hidden.index_select(0, rows)
+        # else every row samples (rows ascend, so they are 0..T-1 in order): a pure decode step.
+        logits = self.model.compute_logits(hidden)
         result = self.sampler.sample(
             logits,
             [r.sampling for r in inputs.sample_requests],

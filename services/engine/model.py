@@ -77,12 +77,14 @@ def unfuse_checkpoint(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[s
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    # Half types: normalise in float32 and cast back before the weight, as HF does.
+    # Spelled out rather than F.rms_norm: on a CPU that one is ~2.6x slower at prefill sizes
+    # ([1024, 768]) and no faster at decode. Half types normalise in float32 and cast back
+    # before the weight, as HF does.
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+    if x.dtype == torch.float32:
+        return normed.mul_(weight)
+    return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):

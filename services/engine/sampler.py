@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.engine.messages import SamplingParams, TokenLogprob
@@ -51,6 +52,9 @@ class Sampler:
         global_generator: torch.Generator,
     ) -> SampleResult:
         """``logits`` [N, vocab] float32; ``eos_token_ids`` per row or one tuple for all rows."""
+        if _all_plain_greedy(params, output_token_ids):
+            # The common serving case: one argmax, no copy of the logits, no per-row work.
+            return SampleResult(_argmax_rows(logits), [None] * len(params))
         logits = logits.float()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1)
@@ -69,6 +73,28 @@ class Sampler:
             for i, (p, t) in enumerate(zip(params, token_ids))
         ]
         return SampleResult(token_ids=token_ids, logprobs=logprobs)
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    if logits.device.type == "cpu":
+        # numpy's argmax is vectorised; torch's takes ~850 us for [32, 32000] on one core.
+        # Both return the first maximum (and the first NaN, should one appear).
+        return np.argmax(logits.detach().float().numpy(), axis=-1).tolist()  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+
+
+def _all_plain_greedy(
+    params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]]
+) -> bool:
+    """Every row takes its argmax: no draw, no logprobs, penalties or min_tokens masking."""
+    return all(
+        p.temperature < _GREEDY_EPS
+        and p.logprobs is None
+        and p.presence_penalty == 0
+        and p.frequency_penalty == 0
+        and len(out) >= p.min_tokens
+        for p, out in zip(params, output_token_ids)
+    )
 
 
 def _per_row_eos(

@@ -122,6 +122,8 @@ class Scheduler:
     def _make_room(self, request: Request, num_total_tokens: int, preempted: list[Request]) -> bool:
         """Grow the request's blocks, preempting the newest running requests as needed."""
         bm = self.block_manager
+        if bm.blocks_needed(num_total_tokens) <= len(bm.block_ids(request.request_id)):
+            return True  # most decode steps: the last block still has room
         while not bm.can_append(request.request_id, num_total_tokens):
             victim = self.running.pop()
             self._preempt(victim)

@@ -44,12 +44,17 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], bm: BlockManager) -
         r, n = item.request, item.num_new_tokens
         start, end = r.num_computed_tokens, r.num_computed_tokens + n
         table = bm.block_ids(r.request_id)
-        input_ids.extend(r.all_token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if n == 1:  # decode: most sequences of most steps, so no ranges or generators
+            input_ids.append(r.all_token_ids[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            input_ids.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         query_lens.append(n)
         context_lens.append(end)
-        block_tables.append(list(table))
+        block_tables.append(table)  # read within the step, before the next schedule grows it
         if end == r.num_tokens:
             sample_rows.append(len(input_ids) - 1)
             sample_requests.append(r)
@@ -57,10 +62,12 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], bm: BlockManager) -
             num_decode_seqs += 1
         else:
             num_prefill_tokens += n
+    # One tensor for the three index rows: each torch.tensor call costs as much as a decode op.
+    ids_pos_slots = torch.tensor((input_ids, positions, slots), dtype=torch.int64)
     batch = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        input_ids=ids_pos_slots[0],
+        positions=ids_pos_slots[1],
+        slot_mapping=ids_pos_slots[2],
         query_lens=query_lens,
         context_lens=context_lens,
         block_tables=block_tables,

@@ -169,3 +169,17 @@ def test_logprobs_are_raw_log_softmax_with_ordered_top() -> None:
     second = out.logprobs[1]
     assert second is not None and second.top == ()
     assert abs(second.logprob - float(expected[1].max())) < 1e-6
+
+
+def test_a_plain_greedy_batch_still_serves_a_row_that_needs_masking_or_logprobs() -> None:
+    # The all-greedy shortcut must not swallow one row's min_tokens mask or logprobs.
+    row = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 1.0, 10.0]])  # EOS (7) best, then 3
+    plain = SamplingParams(temperature=0.0)
+    held = SamplingParams(temperature=0.0, min_tokens=2)
+    out = _sample(row.repeat(3, 1), [plain, held, plain], [[], [1], []])
+    assert out.token_ids == [7, 3, 7]
+    with_lp = _sample(row.repeat(2, 1), [plain, SamplingParams(temperature=0.0, logprobs=0)])
+    assert with_lp.logprobs[0] is None
+    lp = with_lp.logprobs[1]
+    assert lp is not None and lp.token_id == 7
+    assert abs(lp.logprob - torch.log_softmax(row[0], -1)[7].item()) < 1e-6
