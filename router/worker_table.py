@@ -145,8 +145,10 @@ class WorkerTable:
             coeffs.c * p_margin,
         )
         mode = s.split_mode
-        short_s = queue_wait_s(coeffs, w.queued_tokens, w.queued_requests, LengthClass.SHORT, mode)
-        long_s = queue_wait_s(coeffs, w.queued_tokens, w.queued_requests, LengthClass.LONG, mode)
+        budget = w.prefill_budget_tokens
+        queued, counts = w.queued_tokens, w.queued_requests
+        short_s = queue_wait_s(coeffs, queued, counts, LengthClass.SHORT, mode, budget)
+        long_s = queue_wait_s(coeffs, queued, counts, LengthClass.LONG, mode, budget)
         self.wait_short_s[i] = short_s * p_margin
         self.wait_long_s[i] = long_s * p_margin
 
