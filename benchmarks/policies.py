@@ -50,9 +50,10 @@ TARGET_ATTAINMENT = 0.9
 INPUT_LEN = "mix:0.9*uniform:32-256,0.1*uniform:2000-6000"
 OUTPUT_LEN = "uniform:16-256"
 SLO = GoodputSLO(ttft_ms=500, tpot_ms=25)
-RATE_BRACKET_PER_GPU = (16.0, 96.0)  # bisection starts between these (req/s per GPU)
+RATE_BRACKET_PER_GPU = (16.0, 64.0)  # bisection starts between these (req/s per GPU)
 PREFILL_SHARES = (0.5, 0.625, 0.75)
-WORKLOAD_NOTE = "90% short chat (32-256 prompt tokens) + 10% long documents (2000-6000)"
+MAX_TOKENS = 1024  # what clients ask for: the router never sees the true output length
+WORKLOAD_NOTE = "max_tokens 1024, true outputs 16-256 unknown to the router; 90% short chat (32-256 prompt tokens) + 10% long documents (2000-6000)"
 
 
 def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINMENT) -> float:
@@ -92,6 +93,7 @@ def run_at(
         policy="round_robin" if policy == "aggregated" else policy,
         profile=load_profile(profile_name),
         slo=SLO,
+        max_tokens=MAX_TOKENS,
     )
     return simulate(config).summary
 
