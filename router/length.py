@@ -98,11 +98,16 @@ def queue_wait_s(
     queued_requests: Mapping[LengthClass, int],
     length_class: LengthClass,
     mode: SplitMode,
+    budget_tokens: int = 0,
 ) -> float:
     """Predicted time before a new request of ``length_class`` starts prefilling.
 
-    Queued work is priced per class as ``k·a + b·T + c·T²/k`` for ``k`` requests of
-    ``T`` tokens in all (the quadratic term as if equally long)."""
+    Queued work is priced per class as ``s·a + b·T + c·T²/k`` for ``k`` requests of
+    ``T`` tokens in all (the quadratic term as if equally long). The engine batches
+    queued prefills into steps of at most ``budget_tokens`` tokens and pays the fixed
+    overhead ``a`` once per step, so ``s = min(k, ⌈T / budget⌉)``; with no known
+    budget (0) every request is taken to be its own step, which over-prices a queue
+    of short prompts by up to ``k`` times ``a``."""
     classes: Sequence[LengthClass]
     if mode is SplitMode.TEMPORAL and length_class is LengthClass.SHORT:
         classes = (LengthClass.SHORT,)
@@ -114,7 +119,8 @@ def queue_wait_s(
         if tokens <= 0:
             continue
         count = max(queued_requests.get(cls, 1), 1)
-        wait_s += count * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
+        steps = min(count, -(-tokens // budget_tokens)) if budget_tokens > 0 else count
+        wait_s += steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
     return wait_s
 
 

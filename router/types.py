@@ -93,6 +93,7 @@ class WorkerView:
     kv_bytes_per_token: int = 0
     max_num_seqs: int = 256
     draining: bool = False
+    prefill_budget_tokens: int = 0  # tokens one engine step prefills at most; 0: unknown
 
 
 @dataclass(frozen=True, slots=True)

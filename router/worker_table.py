@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.cost_model import CostModel, Profile
+from router.cost_model import CostModel, Profile, QuadCoeffs
 from router.estimator import PeakTable, remaining_tokens
 from router.length import SplitMode, long_pool, queue_wait_s
 from router.prefix_index import PrefixIndex
@@ -77,6 +77,7 @@ class WorkerTable:
         self.kv_bytes_per_token = zeros()
         self.block_size = np.ones(n)
         self.step_base_s, self.step_per_token_s = zeros(), zeros()
+        self.chunked_step_s = zeros()  # a step that also carries a full prefill chunk
         self.num_running, self.max_num_seqs = zeros(), zeros()
         self.held_tokens, self.peak_tokens = zeros(), zeros()
         self.limit_tokens, self.batch_limit_tokens = zeros(), zeros()
@@ -137,7 +138,7 @@ class WorkerTable:
         self.block_size[i] = w.block_size
         self.queued_tokens[i] = sum(w.queued_tokens.values())
 
-        coeffs = model.prefill_coeffs
+        coeffs, queue_coeffs, budget = self._prefill_curve(w, model)
         p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
         self.pa[i], self.pb[i], self.pc[i] = (
             coeffs.a * p_margin,
@@ -145,8 +146,9 @@ class WorkerTable:
             coeffs.c * p_margin,
         )
         mode = s.split_mode
-        short_s = queue_wait_s(coeffs, w.queued_tokens, w.queued_requests, LengthClass.SHORT, mode)
-        long_s = queue_wait_s(coeffs, w.queued_tokens, w.queued_requests, LengthClass.LONG, mode)
+        queued, counts, q = w.queued_tokens, w.queued_requests, queue_coeffs
+        short_s = queue_wait_s(q, queued, counts, LengthClass.SHORT, mode, budget)
+        long_s = queue_wait_s(q, queued, counts, LengthClass.LONG, mode, budget)
         self.wait_short_s[i] = short_s * p_margin
         self.wait_long_s[i] = long_s * p_margin
 
@@ -156,6 +158,15 @@ class WorkerTable:
         d_margin = 1.0 + (model.decode_error if s.use_error_margin else 0.0)
         self.step_base_s[i] = (dec.a + dec.b * (num_running + 1) + dec.c * held_total) * d_margin
         self.step_per_token_s[i] = dec.c * d_margin
+        # Prefilling here (colocated) puts a chunk of up to budget − B tokens into
+        # every step the running sequences wait on; 0 where the budget is unknown.
+        chunk = max(0, w.prefill_budget_tokens - num_running - 1)
+        prefill = model.prefill_coeffs
+        self.chunked_step_s[i] = (
+            self.step_base_s[i] + (max(0.0, prefill.a - dec.a) + prefill.b * chunk) * p_margin
+            if chunk and w.role is not Role.PREFILL
+            else 0.0
+        )
         self.num_running[i] = num_running
         self.max_num_seqs[i] = w.max_num_seqs
         self.held_tokens[i] = held_total
@@ -193,6 +204,30 @@ class WorkerTable:
         self.coloc_ok[i] = seat and coloc and peak < limit
         self.batch_decode_ok[i] = seat and decode and peak < batch_limit
         self.batch_coloc_ok[i] = seat and coloc and peak < batch_limit
+
+    @staticmethod
+    def _prefill_curve(w: WorkerView, model: CostModel) -> tuple[QuadCoeffs, QuadCoeffs, int]:
+        """(one request's prefill curve, the queue's per-step curve, step budget) as
+        this worker actually prefills.
+
+        A prefill worker runs prompts in steps of ``prefill_budget_tokens``. A worker
+        that also decodes (chunked prefill) gives each step's budget to its running
+        sequences first, one token each, and prefills in the rest, and every such step
+        lasts a decode step too: ``n`` tokens take ``⌈n / chunk⌉`` steps of
+        ``max(a_p, a_d) + b_d·B + c_d·ΣL`` plus the token terms. Pricing it like a
+        prefill worker made a busy decode worker look far faster for a long prompt
+        than it is (0.2 s predicted where the chunks took seconds)."""
+        coeffs, budget = model.prefill_coeffs, w.prefill_budget_tokens
+        if w.role is Role.PREFILL or budget <= 0 or not w.running:
+            return coeffs, coeffs, budget
+        dec = model.decode_coeffs
+        num_running = len(w.running)
+        chunk = max(1, budget - num_running)
+        held = sum(r.num_tokens_held for r in w.running)
+        step_s = max(coeffs.a, dec.a) + dec.b * num_running + dec.c * held
+        # One request: ⌈n / chunk⌉·step ≤ step + n·step / chunk, folded into a and b.
+        own = QuadCoeffs(step_s, coeffs.b + step_s / chunk, coeffs.c)
+        return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
     def _peak_table(self, w: WorkerView) -> PeakTable:
         """Reused while the running set is the same object and H has not changed

@@ -101,6 +101,8 @@ class SimCluster:
         self.num_events = 0
         self.num_decisions = 0
         self.num_rejected = 0
+        # (router's predicted TTFT, simulated TTFT) per served request, where the policy predicts.
+        self.ttft_predictions: list[tuple[float, float]] = []
         self._pending: Iterator[RequestSpec] | None = None  # closed loop: next to send
 
     # ---- driving ------------------------------------------------------------
@@ -184,6 +186,8 @@ class SimCluster:
     def _place(self, req: SimRequest, plan: Plan, now_s: float) -> None:
         prefill = self._by_id[plan.prefill_worker]
         req.length_class = plan.length_class
+        if plan.predicted_ttft_s is not None:
+            req.predicted_ttft_s = plan.predicted_ttft_s + (now_s - req.arrival_s)
         if plan.colocated:
             req.decode_worker = None
             prefill.reserved[req.request_id] = req
@@ -228,6 +232,8 @@ class SimCluster:
         self._history.append(req.output_len)
         self._history_view = ()
         assert req.ttft_s is not None
+        if req.predicted_ttft_s is not None:
+            self.ttft_predictions.append((req.predicted_ttft_s, req.ttft_s - req.arrival_s))
         self.records.append(
             RequestRecord(
                 req.request_id,
@@ -309,4 +315,5 @@ class SimCluster:
             link_bandwidth_bytes_per_s=self.profile.transfer.bandwidth_bytes_per_s,
             kv_bytes_per_token=self.profile.kv_bytes_per_token,
             max_num_seqs=self.profile.max_num_seqs,
+            prefill_budget_tokens=w.budget_tokens,
         )

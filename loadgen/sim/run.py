@@ -120,9 +120,23 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         "admission": config.admission,
         "num_events": cluster.num_events,
         "num_decisions": cluster.num_decisions,
+        **_prediction_error(cluster.ttft_predictions),
         "sim_wall_s": wall_s,
     }
     return SimResult(summary, records)
+
+
+def _prediction_error(pairs: list[tuple[float, float]]) -> dict[str, float | None]:
+    """How the router's predicted TTFT compares with the simulated one, per served request:
+    the median and p90 of actual − predicted (ms) and the share under-predicted."""
+    if not pairs:
+        return {"ttft_pred_err_p50_ms": None, "ttft_pred_err_p90_ms": None, "ttft_under": None}
+    err_ms = np.array([actual - pred for pred, actual in pairs]) * 1000
+    return {
+        "ttft_pred_err_p50_ms": float(np.percentile(err_ms, 50)),
+        "ttft_pred_err_p90_ms": float(np.percentile(err_ms, 90)),
+        "ttft_under": float(np.mean(err_ms > 0)),
+    }
 
 
 def _admission_factory(config: SimConfig) -> Callable[[], PastFutureAdmission] | None:

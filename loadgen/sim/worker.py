@@ -59,6 +59,7 @@ class SimRequest:
         "length_class",
         "max_tokens",
         "output_len",
+        "predicted_ttft_s",
         "prefill_left",
         "prefill_total",
         "rejected",
@@ -92,6 +93,7 @@ class SimRequest:
         self.ttft_s: float | None = None
         self.finish_s: float | None = None
         self.rejected = ""
+        self.predicted_ttft_s: float | None = None  # the router's, from arrival
 
 
 # Callbacks into the cluster: (worker, request, now_s).

@@ -239,7 +239,14 @@ class SloGoodput:
                 best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))
 
         # Colocated: the same checks without a transfer, priced with the decodes it stalls.
-        ok = coloc_ok & decodable & (ttft_local <= budget_s) & self._may_colocate(t, is_long)
+        # Its chunks slow every running sequence's steps: those must stay within TPOT too.
+        ok = (
+            coloc_ok
+            & decodable
+            & (ttft_local <= budget_s)
+            & (t.chunked_step_s <= tpot_limit_s)
+            & self._may_colocate(t, is_long)
+        )
         if ok.any():
             cost = ttft_local + t.stall_per_prefill_s * prefill_s
             c = self._pick(ok, sure, -cost, held_q, r_q, limit)

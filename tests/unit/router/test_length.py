@@ -82,3 +82,19 @@ def test_long_pool_keeps_both_classes_served() -> None:
     assert long_pool(ids, 0.25) == {"p6", "p7"}
     assert long_pool(ids[:2], 0.9) == {"p1"}  # at least one short worker stays
     assert long_pool(ids[:2], 0.0) == {"p1"}  # and at least one long one
+
+
+def test_batched_prefill_pays_the_fixed_overhead_once_per_step() -> None:
+    # 40 short prompts of 50 tokens: an engine with a 1024-token step budget runs
+    # them in 2 steps, so the queue costs 2·a, not 40·a.
+    q = FLAT_THEN_LINEAR
+    tokens, counts = {LengthClass.SHORT: 2000}, {LengthClass.SHORT: 40}
+    per_request = queue_wait_s(q, tokens, counts, LengthClass.SHORT, SplitMode.TEMPORAL)
+    batched = queue_wait_s(q, tokens, counts, LengthClass.SHORT, SplitMode.TEMPORAL, 1024)
+    assert per_request == pytest.approx(40 * q.a + q.b * 2000 + q.c * 2000**2 / 40)
+    assert batched == pytest.approx(2 * q.a + q.b * 2000 + q.c * 2000**2 / 40)
+    # A budget smaller than the prompts cannot make it cheaper than one step per request.
+    few = {LengthClass.SHORT: 2}
+    assert queue_wait_s(
+        q, tokens, few, LengthClass.SHORT, SplitMode.TEMPORAL, 512
+    ) == pytest.approx(queue_wait_s(q, tokens, few, LengthClass.SHORT, SplitMode.TEMPORAL))

@@ -7,6 +7,7 @@ length (100), so each prediction below is computed by hand in the comments.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import assume, event, given, settings
@@ -324,3 +325,28 @@ def test_spatial_split_never_colocates_a_long_prompt_beside_short_ones() -> None
     long = plan_of(spatial.plan(request(2000), v, 0.0))
     assert (long.prefill_worker, long.decode_worker) == ("p1", "d")
     assert plan_of(spatial.plan(request(50), v, 0.0)).prefill_worker in {"p0", "d"}
+
+
+def test_colocated_prefill_is_priced_in_chunks_and_must_keep_running_decodes_in_tpot() -> None:
+    # A 10 MB/s link breaks TTFT for the disaggregated plan, so only colocation on
+    # the MIXED worker (10 running sequences of 100 tokens) could serve the request.
+    def cluster(budget_tokens: int):
+        mixed = replace(worker("m", Role.MIXED, busy(10, 100)), prefill_budget_tokens=budget_tokens)
+        return view(
+            worker("p", Role.PREFILL, bandwidth=1e7),
+            worker("d", Role.DECODE, busy(10, 100), bandwidth=1e7),
+            mixed,
+        )
+
+    pol = policy(colocate_roles=(Role.MIXED,))
+    # 64-token steps: 53 prefill tokens ride each step, which lasts 0.0112 + 0.0053 s
+    # < the 20 ms TPOT; the prompt takes ⌈500 / 54⌉ steps of 0.0111 s overhead each.
+    plan = plan_of(pol.plan(request(PROMPT), cluster(64), 0.0))
+    assert plan.colocated and plan.prefill_worker == "m"
+    step_s = 0.01 + 1e-4 * 10 + 1e-7 * 1000
+    assert plan.predicted_ttft_s == pytest.approx(step_s + PROMPT * (1e-4 + step_s / 54))
+    assert plan.predicted_ttft_s > 2 * prefill_s(PROMPT)  # not priced as a prefill worker
+    # 512-token steps would carry ~500 prefill tokens (+50 ms): every running
+    # sequence would miss TPOT, so colocation is refused and nothing is feasible.
+    refused = pol.plan(request(PROMPT), cluster(512), 0.0)
+    assert isinstance(refused, Reject)
