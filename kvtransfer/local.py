@@ -16,7 +16,14 @@ from typing import Any
 
 from kvtransfer.connector import ReleaseCallback, UnknownHandleError
 from kvtransfer.leases import LeaseTable
-from kvtransfer.regions import Region, check_block_ids, check_pull, make_region
+from kvtransfer.regions import (
+    Region,
+    check_block_ids,
+    check_pull,
+    describe_hold,
+    lookup_region,
+    make_region,
+)
 from kvtransfer.states import StateTable
 from kvtransfer.types import BlockHandle, KVLayout, TransferState
 
@@ -67,6 +74,8 @@ class LocalConnector:
         fabric.add(self)
 
     def register(self, region: str, tensor: Any, layout: KVLayout) -> None:
+        if region in self._regions:
+            raise ValueError(f"region {region!r} is already registered")
         self._regions[region] = make_region(region, tensor, layout)
 
     def hold(
@@ -80,15 +89,7 @@ class LocalConnector:
         reg = self._region(region)
         check_block_ids(reg, block_ids)
         hold = self._leases.add(region, block_ids, lease_s or self.lease_s, on_release)
-        return BlockHandle(
-            backend=self.name,
-            agent=self.agent_name,
-            region=region,
-            transfer_id=hold.transfer_id,
-            block_ids=hold.block_ids,
-            layout=reg.layout,
-            expires_at_s=hold.expires_at_s,
-        )
+        return describe_hold(self.name, self.agent_name, reg, hold)
 
     def pull(self, handle: BlockHandle, region: str, local_block_ids: Sequence[int]) -> str:
         local = check_pull(self.name, self._regions, handle, region, local_block_ids)
@@ -127,7 +128,4 @@ class LocalConnector:
         self._leases.release_all()
 
     def _region(self, region: str) -> Region:
-        reg = self._regions.get(region)
-        if reg is None:
-            raise KeyError(f"region {region!r} is not registered")
-        return reg
+        return lookup_region(self._regions, region)

@@ -42,7 +42,14 @@ import torch
 from kvtransfer.connector import KVTransferError, ReleaseCallback, UnknownHandleError
 from kvtransfer.leases import Hold, LeaseTable
 from kvtransfer.nixl_peer import PeerInfo, strided_rows
-from kvtransfer.regions import Region, check_block_ids, check_pull, make_region
+from kvtransfer.regions import (
+    Region,
+    check_block_ids,
+    check_pull,
+    describe_hold,
+    lookup_region,
+    make_region,
+)
 from kvtransfer.states import StateTable
 from kvtransfer.types import BlockHandle, KVLayout, TransferState
 
@@ -150,16 +157,7 @@ class NixlConnector:
             slot=slot,
             generation=generation,
         )
-        return BlockHandle(
-            backend=self.name,
-            agent=self.agent_name,
-            region=region,
-            transfer_id=hold.transfer_id,
-            block_ids=hold.block_ids,
-            layout=reg.layout,
-            expires_at_s=hold.expires_at_s,
-            peer_info=info.encode(),
-        )
+        return describe_hold(self.name, self.agent_name, reg, hold, info.encode())
 
     def release(self, transfer_id: str) -> None:
         self._leases.release(transfer_id)
@@ -376,10 +374,7 @@ class NixlConnector:
         self._region_local.clear()
 
     def _region(self, region: str) -> Region:
-        reg = self._regions.get(region)
-        if reg is None:
-            raise KeyError(f"region {region!r} is not registered")
-        return reg
+        return lookup_region(self._regions, region)
 
     @staticmethod
     def _block_list(reg: Region) -> np.ndarray:

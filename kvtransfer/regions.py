@@ -13,9 +13,17 @@ from typing import Any
 import torch
 
 from kvtransfer.connector import KVTransferError
+from kvtransfer.leases import Hold
 from kvtransfer.types import BlockHandle, KVLayout
 
-__all__ = ["Region", "check_block_ids", "check_pull", "make_region"]
+__all__ = [
+    "Region",
+    "check_block_ids",
+    "check_pull",
+    "describe_hold",
+    "lookup_region",
+    "make_region",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +91,27 @@ def check_pull(
         )
     check_block_ids(local, local_block_ids)
     return local
+
+
+def lookup_region(regions: dict[str, Region], name: str) -> Region:
+    """The registered region ``name``, or a KeyError that says it is not registered."""
+    reg = regions.get(name)
+    if reg is None:
+        raise KeyError(f"region {name!r} is not registered")
+    return reg
+
+
+def describe_hold(
+    backend: str, agent: str, reg: Region, hold: Hold, peer_info: bytes = b""
+) -> BlockHandle:
+    """The handle a holder gives out for one lease on ``reg``'s blocks."""
+    return BlockHandle(
+        backend=backend,
+        agent=agent,
+        region=reg.name,
+        transfer_id=hold.transfer_id,
+        block_ids=hold.block_ids,
+        layout=reg.layout,
+        expires_at_s=hold.expires_at_s,
+        peer_info=peer_info,
+    )

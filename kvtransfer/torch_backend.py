@@ -33,7 +33,14 @@ import torch
 
 from kvtransfer.connector import KVTransferError, ReleaseCallback, UnknownHandleError
 from kvtransfer.leases import LeaseTable
-from kvtransfer.regions import Region, check_block_ids, check_pull, make_region
+from kvtransfer.regions import (
+    Region,
+    check_block_ids,
+    check_pull,
+    describe_hold,
+    lookup_region,
+    make_region,
+)
 from kvtransfer.states import StateTable
 from kvtransfer.torch_channel import PullChannel, serve_channel
 from kvtransfer.types import BlockHandle, KVLayout, TransferState
@@ -142,15 +149,12 @@ class TorchConnector:
         check_block_ids(reg, block_ids)
         port = self._ensure_listening()
         hold = self._leases.add(region, block_ids, lease_s or self.lease_s, on_release)
-        return BlockHandle(
-            backend=self.name,
-            agent=self.agent_name,
-            region=region,
-            transfer_id=hold.transfer_id,
-            block_ids=hold.block_ids,
-            layout=reg.layout,
-            expires_at_s=hold.expires_at_s,
-            peer_info=json.dumps({"host": self.host, "port": port}).encode(),
+        return describe_hold(
+            self.name,
+            self.agent_name,
+            reg,
+            hold,
+            json.dumps({"host": self.host, "port": port}).encode(),
         )
 
     def release(self, transfer_id: str) -> None:
@@ -366,7 +370,4 @@ class TorchConnector:
         self._leases.release_all()
 
     def _region(self, region: str) -> Region:
-        reg = self._regions.get(region)
-        if reg is None:
-            raise KeyError(f"region {region!r} is not registered")
-        return reg
+        return lookup_region(self._regions, region)
