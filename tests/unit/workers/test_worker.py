@@ -48,10 +48,13 @@ async def worker():  # type: ignore[no-untyped-def]
 async def test_tokens_stream_as_they_are_produced(worker) -> None:  # type: ignore[no-untyped-def]
     w = worker()
     stream = w.generate(Generate(request("r", max_tokens=300)))
-    first = await anext(stream)  # the consumer waits: the first step's delta comes alone
-    assert isinstance(first, TokenDelta) and first.num_output_tokens == 1
+    # The first delta arrives long before the request ends. It is usually one step's
+    # token, but deltas merge when this consumer is slow to be scheduled.
+    first = await anext(stream)
+    assert isinstance(first, TokenDelta) and 1 <= first.num_output_tokens < 300
     assert first.finish_reason is None and first.worker_id == "w"
     rest = [e async for e in stream]
+    assert len(rest) >= 2  # streamed in pieces, not in one at the end
     tokens = [t for e in (first, *rest) if isinstance(e, TokenDelta) for t in e.token_ids]
     assert len(tokens) == 300 and rest[-1].finish_reason is FinishReason.LENGTH
     counts = [e.num_output_tokens for e in rest if isinstance(e, TokenDelta)]
