@@ -50,7 +50,7 @@ from services.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.loader import LoadedModel, load_model
 from services.engine.messages import EngineRequest, SamplingParams
-from services.engine.tiny import TINY_ARGS
+from services.engine.tiny import tiny_hf_config
 
 
 @dataclass(frozen=True)
@@ -83,23 +83,9 @@ def sync(device: str) -> None:
 
 def hf_tiny(loaded: LoadedModel) -> Any:
     """A transformers Llama holding the built-in tiny model's weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    a = TINY_ARGS
-    cfg = LlamaConfig(
-        vocab_size=a.vocab_size,
-        hidden_size=a.hidden_size,
-        intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_layers,
-        num_attention_heads=a.num_heads,
-        num_key_value_heads=a.num_kv_heads,
-        head_dim=a.head_dim,
-        rms_norm_eps=a.rms_norm_eps,
-        rope_theta=a.rope_theta,
-        max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=a.tie_word_embeddings,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(tiny_hf_config())
     state = {k: v for k, v in loaded.model.hf_state_dict().items() if not k.startswith("rotary")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if [k for k in missing if "rotary" not in k] or unexpected:

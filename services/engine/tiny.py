@@ -7,13 +7,15 @@ seed gives the same weights on any machine and device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from services.engine.config import ModelArgs
 from services.engine.model import CausalLM
 from services.engine.tokenizer import ByteTokenizer
 
-__all__ = ["TINY_ARGS", "TINY_NAME", "build_tiny_model"]
+__all__ = ["TINY_ARGS", "TINY_NAME", "build_tiny_model", "tiny_hf_config"]
 
 TINY_NAME = "tiny"
 
@@ -56,3 +58,24 @@ def build_tiny_model(
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * _INIT_STD)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def tiny_hf_config() -> Any:
+    """The ``transformers`` LlamaConfig of the built-in model (its twin in tests and benchmarks)."""
+    from transformers import LlamaConfig
+
+    a = TINY_ARGS
+    fields: dict[str, Any] = {
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": a.num_layers,
+        "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads,
+        "head_dim": a.head_dim,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": a.rope_theta,  # transformers 5 reads it from kwargs into rope_parameters
+        "max_position_embeddings": a.max_position_embeddings,
+        "tie_word_embeddings": a.tie_word_embeddings,
+    }
+    return LlamaConfig(**fields)

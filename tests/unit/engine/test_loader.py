@@ -181,25 +181,12 @@ def test_hf_state_dict_round_trips_the_checkpoint(
 
 def test_tiny_weights_load_into_a_transformers_llama() -> None:
     """The tiny model has a transformers twin (benchmarks compare against it)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from services.engine.tiny import TINY_ARGS as a
+    from services.engine.tiny import tiny_hf_config
 
     loaded = load_model("tiny")
-    twin = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=a.vocab_size,
-            hidden_size=a.hidden_size,
-            intermediate_size=a.intermediate_size,
-            num_hidden_layers=a.num_layers,
-            num_attention_heads=a.num_heads,
-            num_key_value_heads=a.num_kv_heads,
-            head_dim=a.head_dim,
-            rms_norm_eps=a.rms_norm_eps,
-            rope_theta=a.rope_theta,
-            tie_word_embeddings=True,
-        )
-    ).eval()
+    twin = LlamaForCausalLM(tiny_hf_config()).eval()
     twin.load_state_dict(loaded.model.hf_state_dict(), strict=True)
     ids = loaded.tokenizer.encode("hello tiny")
     with torch.no_grad():
