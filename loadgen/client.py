@@ -1,8 +1,9 @@
 """Async streaming client for OpenAI-compatible servers, timing every SSE event.
 
 ``send_request`` posts one streamed request and returns a ``RequestRecord``:
-TTFT is the first event carrying a token (text, or the final chunk), each
-later one adds an inter-token latency, e2el ends after ``data: [DONE]``. Token counts come from
+TTFT is the first event carrying a token (text, possibly empty while the
+server holds it back, or the final chunk), each later one adds an inter-token
+latency, e2el ends after ``data: [DONE]``. Token counts come from
 the server's ``usage`` (asked for with ``stream_options.include_usage``); when
 a server sends none, the output count falls back to the number of text events.
 ``ignore_eos: true`` is sent so output lengths are what the workload asked for.
@@ -73,13 +74,20 @@ def _payload(
 
 
 def _carries_token(chunk: dict[str, Any]) -> bool:
-    """Text, or the final chunk: a byte-level detokenizer may hold back an
-    incomplete UTF-8 character, so the last token can arrive as "" with a
-    ``finish_reason``. A chat role-only first chunk carries neither."""
+    """Every event that delivers a token counts, its text empty or not: a byte-level
+    detokenizer holds back an incomplete UTF-8 character (and a server holds back a
+    possible stop string), yet the token was generated and its event sent then, so
+    TTFT and inter-token latency time it (as vLLM's harness does for completions).
+    A chat stream's opening chunk (``delta: {role, content: ""}``) comes before any
+    token and does not count; nor does the usage chunk (no choices)."""
     for choice in chunk.get("choices") or ():
+        if choice.get("finish_reason"):
+            return True
         delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-        if text or choice.get("finish_reason"):
+        if isinstance(delta, dict):
+            if "content" in delta and "role" not in delta:
+                return True
+        elif isinstance(choice.get("text"), str):
             return True
     return False
 

@@ -3,7 +3,9 @@
 ``/v1/completions`` and ``/v1/chat/completions`` wait ``FIRST_DELAY_S``, then
 stream ``max_tokens`` one-character chunks ``GAP_S`` apart, a usage chunk with
 ``choices: []`` and ``[DONE]``. A prompt starting with ``FAIL`` gets a 400; one
-starting with ``BREAK`` gets an error event after the first token.
+starting with ``BREAK`` gets an error event after the first token; one
+starting with ``HOLD`` gets its first token with empty text (a server holding
+back a partial UTF-8 character).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ async def _chunks(kind: str, prompt: str, max_tokens: int, timing: Timing) -> As
     for i in range(max_tokens):
         if i:
             await asyncio.sleep(timing.gap_s + timing.gap_per_stream_s * timing.active_streams)
-        yield f"data: {json.dumps(_chunk(kind, 'x'))}\n\n".encode()
+        text = "" if i == 0 and prompt.startswith("HOLD") else "x"
+        yield f"data: {json.dumps(_chunk(kind, text))}\n\n".encode()
         if prompt.startswith("BREAK"):
             yield b'data: {"error": {"message": "worker died", "type": "InternalServerError", "code": 500}}\n\n'
             yield b"data: [DONE]\n\n"

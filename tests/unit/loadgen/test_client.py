@@ -39,6 +39,19 @@ async def test_times_each_event(base_url: str, kind: str) -> None:
     assert rec.e2el_s == pytest.approx(rec.ttft_s + sum(rec.itl_s), abs=0.05)  # type: ignore[operator]
 
 
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+async def test_a_token_whose_text_is_held_back_still_times_ttft(base_url: str, kind: str) -> None:
+    # The first token arrives with empty text (a partial UTF-8 character held back):
+    # TTFT is its event, not the next one a GAP_S later, and it is one of the 3 events.
+    spec = RequestSpec("h", 0.0, 10, 3, prompt="HOLD this")
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    async with httpx.AsyncClient() as client:
+        rec = await send_request(client, base_url + path, kind, MODEL, spec, time.perf_counter())  # type: ignore[arg-type]
+    assert rec.success and rec.output_tokens == 3
+    assert FIRST_DELAY_S <= rec.ttft_s < FIRST_DELAY_S + GAP_S * 0.9  # type: ignore[operator]
+    assert len(rec.itl_s) == 2
+
+
 async def test_http_error_and_midstream_error(base_url: str) -> None:
     async with httpx.AsyncClient() as client:
         bad = await send_request(
