@@ -1,12 +1,23 @@
 """``baton profile``: measure a running server's prefill and decode curves over HTTP.
 
-Prefill: one request at a time, ``max_tokens=1``, distinct prompts (so no
-prefix-cache hits) of several lengths; the median TTFT per length is fitted
-to ``a + b·n + c·n²``. Decode: ``B`` concurrent requests with prompts of
-``L`` tokens generating ``T`` tokens each; the median inter-token latency is
-one decode step at batch ``B`` and total context about ``B·(L + T/2)``, fitted
-to ``a + b·B + c·ΣL``. Least squares with non-negative coefficients, refitted
-once without outliers (stalls of a shared machine).
+Prefill: one request at a time, two output tokens, distinct prompts (so no
+prefix-cache hits) of several lengths, each after ``--idle-s`` of quiet (a
+request of a light load finds the server idle; one sent the moment the last
+finished rides on threads still awake and reads 10-40% fast); the median TTFT per length is fitted
+to ``a + b·n + c·n²``, and the median gap between the two tokens is the
+hand-off (see ``_fit_transfer_latency``). Decode: ``B`` concurrent requests
+with prompts of ``L`` tokens, run twice, generating ``T`` and then ``2T``
+tokens; the difference of the median end-to-end latencies over the extra
+``T`` tokens is one decode step at batch ``B`` and total context about
+``B·(L + T)``, fitted to ``a + b·B + c·ΣL``. The difference cancels TTFT and
+the hand-off, and it counts tokens, not SSE events (a byte-level model may
+send a token with no text yet, which a client cannot time). Least squares
+with non-negative coefficients, refitted once without outliers (stalls of a
+shared machine).
+
+Run it against a server whose router disaggregates every request (``baton
+serve --policy round_robin``): a policy that may colocate (``slo_goodput``)
+makes some probes skip the hand-off, and the profile then under-states it.
 
 What HTTP cannot see (KV bytes per token, blocks, transfer link) is copied
 from ``--base-profile`` and named as such in ``sources``. TTFT includes the
@@ -43,9 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-batches", default="1,2,4,8,16")
     parser.add_argument("--decode-contexts", default="64,512")
     parser.add_argument(
-        "--decode-tokens", type=int, default=32, help="tokens generated per request"
+        "--decode-tokens",
+        type=int,
+        default=32,
+        help="T: each decode probe runs with T and with 2T output tokens",
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.2,
+        help="idle time before each probe (s): a probe must find the server idle, as a "
+        "request of a light load does, not on threads still awake from the previous one",
+    )
     parser.add_argument("--hardware", default="unknown", help="free text written into the profile")
     parser.add_argument(
         "--base-profile", default=None, help="source of the fields HTTP cannot measure"
@@ -85,7 +106,13 @@ def fit_robust(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
 
 
 async def _prefill_points(
-    client: httpx.AsyncClient, url: str, kind: str, model: str, lens: Sequence[int], repeats: int
+    client: httpx.AsyncClient,
+    url: str,
+    kind: str,
+    model: str,
+    lens: Sequence[int],
+    repeats: int,
+    idle_s: float,
 ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """(tokens, median TTFT s) per prompt length, and (tokens, median hand-off gap s):
     the gap between the first and second token, which spans the KV pull to the
@@ -95,6 +122,7 @@ async def _prefill_points(
         ttfts: list[float] = []
         gaps: list[float] = []
         for r in range(repeats + 1):  # the first of each length warms up
+            await asyncio.sleep(idle_s)
             # Two tokens, so the probe takes a real request's path (prefill-only, hold,
             # first token streamed while decode is planned); TTFT is its first event.
             spec = RequestSpec(f"profile-prefill-{n}-{r}-{time.time_ns()}", 0.0, n, 2)
@@ -103,7 +131,8 @@ async def _prefill_points(
                 raise RuntimeError(f"prefill probe of {n} tokens failed: {rec.error}")
             if r:
                 ttfts.append(rec.ttft_s)
-                gaps.extend(rec.itl_s[:1])
+                if rec.e2el_s is not None and rec.output_tokens == 2:
+                    gaps.append(rec.e2el_s - rec.ttft_s)
         points.append((n, statistics.median(ttfts)))
         if gaps:
             handoffs.append((n, statistics.median(gaps)))
@@ -118,26 +147,36 @@ async def _decode_points(
     batches: Sequence[int],
     contexts: Sequence[int],
     num_tokens: int,
+    repeats: int,
+    idle_s: float,
 ) -> list[tuple[int, int, float]]:
+    """(batch, total context tokens, step s) per probe: see the module docstring."""
+
+    async def round_e2el(batch: int, ctx: int, tokens: int) -> float:
+        specs = [
+            RequestSpec(
+                f"profile-decode-{batch}-{ctx}-{tokens}-{i}-{time.time_ns()}", 0.0, ctx, tokens
+            )
+            for i in range(batch)
+        ]
+        await asyncio.sleep(idle_s)
+        start = time.perf_counter()
+        recs = await asyncio.gather(
+            *(send_request(client, url, kind, model, s, start) for s in specs)  # type: ignore[arg-type]
+        )
+        if not all(r.success and r.e2el_s is not None for r in recs):
+            raise RuntimeError(f"decode probe B={batch} L={ctx} failed: {recs[0].error}")
+        return statistics.median(r.e2el_s for r in recs if r.e2el_s is not None)
+
     points = []
     for ctx in contexts:
         for batch in batches:
-            specs = [
-                RequestSpec(
-                    f"profile-decode-{batch}-{ctx}-{i}-{time.time_ns()}", 0.0, ctx, num_tokens
-                )
-                for i in range(batch)
-            ]
-            start = time.perf_counter()
-            recs = await asyncio.gather(
-                *(send_request(client, url, kind, model, s, start) for s in specs)  # type: ignore[arg-type]
-            )
-            if not all(r.success for r in recs):
-                raise RuntimeError(f"decode probe B={batch} L={ctx} failed: {recs[0].error}")
-            # Skip the first gaps: they overlap the batch's staggered prefills.
-            gaps = [g for r in recs for g in r.itl_s[2:]]
-            if gaps:
-                points.append((batch, batch * (ctx + num_tokens // 2), statistics.median(gaps)))
+            steps = []
+            for _ in range(max(1, repeats)):
+                short = await round_e2el(batch, ctx, num_tokens)
+                long = await round_e2el(batch, ctx, 2 * num_tokens)
+                steps.append((long - short) / num_tokens)
+            points.append((batch, batch * (ctx + num_tokens), max(0.0, statistics.median(steps))))
     return points
 
 
@@ -148,7 +187,7 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
         model = args.model or await discover_model(client, base)
         prefill, handoffs = await _prefill_points(
-            client, url, kind, model, _ints(args.prefill_lens), args.repeats
+            client, url, kind, model, _ints(args.prefill_lens), args.repeats, args.idle_s
         )
         decode = await _decode_points(
             client,
@@ -158,6 +197,8 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
             _ints(args.decode_batches),
             _ints(args.decode_contexts),
             args.decode_tokens,
+            args.repeats,
+            args.idle_s,
         )
     n = np.array([p[0] for p in prefill], dtype=float)
     p_coeffs = fit_robust(
@@ -175,7 +216,8 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
         f"prefill and decode measured by `baton profile` against {base} (model {model}) at {when}",
         "prefill points (tokens, median TTFT s): "
         + json.dumps([[int(a), round(t, 6)] for a, t in prefill]),
-        "decode points (batch, context tokens, median ITL s): "
+        "decode points (batch, context tokens, step s from the end-to-end difference of "
+        f"{args.decode_tokens} and {2 * args.decode_tokens} output tokens): "
         + json.dumps([[int(a), int(c), round(t, 6)] for a, c, t in decode]),
         "prefill includes the server's HTTP and scheduling overhead (TTFT of a 2-token request)",
         "transfer latency: median hand-off gap (first to second token) minus one decode step "
