@@ -5,9 +5,19 @@ deploy/configs/local.yaml, waits for /v1/models, then:
 
 * a bench run completes with zero failed requests and writes its report;
 * fidelity: ``baton profile`` measures the live server's prefill and decode
-  curves and the simulator runs the same workload from that profile;
-  throughput agrees within 20%, p50 TTFT within 50% (see the test for why the
-  issue's 20% on latency does not hold yet on a 2-core machine).
+  curves and the simulator runs the same workload from that profile; p50 TTFT,
+  p50 TPOT, goodput and throughput agree within 20%.
+
+This 2-core machine runs in phases some 15% faster or slower for tens of
+seconds at a time, which a single profile followed by a single run turns into
+a 15% error of its own. So the test brackets: profile, run, profile, run; the
+profile is the mean of the two (a prediction is linear in the coefficients)
+and the live figures come from both runs' records together.
+
+The server routes with ``round_robin``, so every request takes the
+disaggregated path the profile's probes measure (prefill, hand-off, decode);
+under ``slo_goodput`` a request may be colocated on the decode worker, a choice
+its online cost model makes from timing noise the simulator cannot replay.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -29,11 +40,11 @@ import pytest
 from loadgen import cli_profile
 from loadgen.arrivals import RateSpec
 from loadgen.client import BenchConfig, run_bench
-from loadgen.metrics import GoodputSLO
+from loadgen.metrics import GoodputSLO, compute_summary
 from loadgen.report import write_run
 from loadgen.scenario import WorkloadConfig
 from loadgen.sim import SimConfig, simulate
-from loadgen.sim.profile import Profile
+from loadgen.sim.profile import Profile, QuadCoeffs
 
 pytestmark = [
     pytest.mark.slow,
@@ -73,6 +84,8 @@ def server() -> Iterator[str]:
             str(port),
             "--log-level",
             "warning",
+            "--policy",
+            "round_robin",
         ],
         cwd=ROOT,
     )
@@ -109,43 +122,55 @@ def _measure_profile(url: str) -> Profile:
             "--decode-batches", "1,2,4",
             "--decode-contexts", "64,256",
             "--decode-tokens", "24",
-            "--repeats", "5",
+            "--repeats", "6",
+            "--idle-s", "0.1",
             "--out", "unused.json",
         ]
     )  # fmt: skip
     return asyncio.run(cli_profile.measure_profile(args))
 
 
+def _mean_profile(a: Profile, b: Profile) -> Profile:
+    def mean(x: QuadCoeffs, y: QuadCoeffs) -> QuadCoeffs:
+        return QuadCoeffs((x.a + y.a) / 2, (x.b + y.b) / 2, (x.c + y.c) / 2)
+
+    latency_s = (a.transfer.latency_s + b.transfer.latency_s) / 2
+    return replace(
+        a,
+        prefill=mean(a.prefill, b.prefill),
+        decode=mean(a.decode, b.decode),
+        transfer=replace(a.transfer, latency_s=latency_s),
+    )
+
+
 def test_bench_zero_failed_and_close_to_simulation(server: str, tmp_path: Path) -> None:
     slo = GoodputSLO(ttft_ms=400.0, tpot_ms=60.0)
-    result = run_bench(BenchConfig(server, WORKLOAD, rate=RateSpec(RATE_PER_S), slo=slo))
-    live = result.summary
-    assert live["failed"] == 0 and live["completed"] == WORKLOAD.num_requests
+    profiles, records = [], []
+    for _ in range(2):
+        profiles.append(_measure_profile(server))
+        result = run_bench(BenchConfig(server, WORKLOAD, rate=RateSpec(RATE_PER_S), slo=slo))
+        assert result.summary["failed"] == 0
+        assert result.summary["completed"] == WORKLOAD.num_requests
+        records += result.records
     write_run(tmp_path, result.summary, result.records)
-    assert json.loads((tmp_path / "summary.json").read_text())["completed"] == live["completed"]
-    assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == live["completed"]
+    assert json.loads((tmp_path / "summary.json").read_text())["completed"] == WORKLOAD.num_requests
+    assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == WORKLOAD.num_requests
     assert (tmp_path / "latency_cdf.png").stat().st_size > 0
 
-    profile = _measure_profile(server)
+    profile = _mean_profile(*profiles)
     sim = simulate(
         SimConfig(
             workload=WORKLOAD,
             rate=RateSpec(RATE_PER_S),
             num_prefill=1,
             num_decode=1,
-            policy="slo_goodput",
+            policy="round_robin",
             profile=profile,
             slo=slo,
         )
     ).summary
-    for key in ("request_throughput", "output_throughput"):
-        assert sim[key] == pytest.approx(live[key], rel=0.2), (key, sim[key], live[key])
-    # The issue's target is 20% for latency and goodput too; it is not met here yet
-    # (issue 6 stays open). On this 2-core machine the prefill worker, the decode
-    # worker, the gateway and this client share two cores, a contention neither the
-    # profile (measured one probe at a time) nor the simulator models: simulated p50
-    # TTFT runs 10-40% low and p50 TPOT 20-75% low. TTFT is held to what holds
-    # reliably; TPOT and goodput are printed for the record.
-    assert sim["median_ttft_ms"] == pytest.approx(live["median_ttft_ms"], rel=0.5), profile
-    keys = ("median_ttft_ms", "median_tpot_ms", "request_goodput")
+    live = compute_summary(records, 2 * result.summary["duration"], slo)
+    keys = ("median_ttft_ms", "median_tpot_ms", "request_goodput", "request_throughput")
     print(json.dumps({"fidelity": {k: {"live": live[k], "sim": sim[k]} for k in keys}}))
+    for key in keys:
+        assert sim[key] == pytest.approx(live[key], rel=0.2), (key, sim[key], live[key], profile)
