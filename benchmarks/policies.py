@@ -11,10 +11,16 @@ best prefill:decode split of the shares tried (every policy tries the same
 shares); the aggregated baseline has no split (every GPU is a mixed worker
 with chunked prefill). Prints one JSON object per (GPU count, policy)::
 
-    {"gpus", "policy", "goodput", "goodput_per_gpu", "split", "best_baseline", "vs_best_baseline"}
+    {"gpus", "policy", "goodput", "goodput_per_gpu", "split", "best_baseline", "vs_best_baseline",
+     "bound_served_all", "bound_random_shed", "of_bound"}
 
 ``best_baseline`` is the best goodput among the other policies and
-``aggregated`` in this same run. Saves ``attainment_vs_rate_<gpus>.png``.
+``aggregated`` in this same run. ``bound_*`` is the fluid bound of
+``loadgen.sim.bound`` for the row's split (for ``aggregated``: the GPUs with no
+split fixed): the rate served with every request completed, and the goodput
+no placement can beat at 90% attainment unless it picks whom to leave
+unserved by size; ``of_bound`` is goodput / ``bound_random_shed``. The bound
+shows how much room any policy has left. Saves ``attainment_vs_rate_<gpus>.png``.
 
 The default runs 16 GPUs at 15 s per run (3 bisections) and 256 GPUs at 2 s
 per run (2 bisections): one simulated second at 256 GPUs is ~10^4 requests,
@@ -44,8 +50,9 @@ from typing import Any  # noqa: E402
 from loadgen.arrivals import RateSpec  # noqa: E402
 from loadgen.metrics import GoodputSLO  # noqa: E402
 from loadgen.plots import plot_attainment_vs_rate  # noqa: E402
-from loadgen.scenario import WorkloadConfig  # noqa: E402
+from loadgen.scenario import WorkloadConfig, build_requests  # noqa: E402
 from loadgen.sim import SimConfig, simulate  # noqa: E402
+from loadgen.sim.bound import FluidBound, fluid_bound  # noqa: E402
 from loadgen.sim.profile import load_profile  # noqa: E402
 from router.policy import available_policies  # noqa: E402
 
@@ -77,6 +84,25 @@ def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINM
 class Grid:
     duration_s: float  # simulated seconds of arrivals per run
     bisect_steps: int  # rate bisections after the bracket's two ends
+
+
+def bound_for(gpus: int, split: str, profile_name: str) -> FluidBound:
+    """The fluid bound for a "P:D:mixed" split (all mixed: no split fixed)."""
+    num_prefill, num_decode, num_mixed = (int(x) for x in split.split(":"))
+    specs = build_requests(
+        WorkloadConfig(input_len=INPUT_LEN, output_len=OUTPUT_LEN, num_requests=20_000, seed=0),
+        RateSpec(1.0),
+    )
+    assert SLO.tpot_ms is not None
+    return fluid_bound(
+        load_profile(profile_name),
+        specs,
+        SLO.tpot_ms / 1000,
+        num_prefill,
+        num_decode,
+        gpus=gpus if num_mixed else None,
+        attainment=TARGET_ATTAINMENT,
+    )
 
 
 def run_at(
@@ -186,6 +212,7 @@ def main() -> int:
         for policy, (goodput, split) in results.items():
             others = [g for p, (g, _) in results.items() if p != policy]
             baseline = max(others, default=0.0)
+            bound = bound_for(gpus, split, args.profile)
             print(
                 json.dumps(
                     {
@@ -196,6 +223,9 @@ def main() -> int:
                         "split": split,  # prefill:decode:mixed
                         "best_baseline": round(baseline, 2),
                         "vs_best_baseline": round(goodput / baseline, 3) if baseline else None,
+                        "bound_served_all": round(bound.served_all_rps, 1),
+                        "bound_random_shed": round(bound.random_shed_rps, 1),
+                        "of_bound": round(goodput / bound.random_shed_rps, 3),
                         "slo_ms": SLO.as_dict(),
                         "workload": WORKLOAD_NOTE,
                         "sim_seconds_per_run": grid.duration_s,
