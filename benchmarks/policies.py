@@ -22,11 +22,13 @@ no placement can beat at 90% attainment unless it picks whom to leave
 unserved by size; ``of_bound`` is goodput / ``bound_random_shed``. The bound
 shows how much room any policy has left. Saves ``attainment_vs_rate_<gpus>.png``.
 
-The default runs 16 GPUs at 15 s per run (3 bisections) and 256 GPUs at 2 s
-per run (2 bisections): one simulated second at 256 GPUs is ~10^4 requests,
+The default runs 2, 4 and 16 GPUs at 15 s per run (3 bisections; the small
+counts show where aggregated serving wins) and 256 GPUs at 2 s per run (2
+bisections): one simulated second at 256 GPUs is ~10^4 requests,
 and the 2-core budget of ``make bench-policies`` (~10 minutes) allows no more,
 so the 256-GPU rows (``"coarse": true``) come from runs too short for queues
-to settle and read optimistic for every policy alike. Every disaggregated
+to settle and read optimistic for every policy alike (they exceed the fluid
+bound). Every disaggregated
 policy uses the same split (``--prefill-shares``, default 0.625: 10:6 at 16
 GPUs, 160:96 at 256); pass several shares to search per policy. Where
 aggregated serving beats a disaggregated policy is printed on stderr.
@@ -166,7 +168,7 @@ def best_split(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", default="16,256", help="comma list of GPU counts")
+    parser.add_argument("--gpus", default="2,4,16,256", help="comma list of GPU counts")
     parser.add_argument(
         "--duration", type=float, default=15.0, help="simulated seconds of arrivals per run"
     )
