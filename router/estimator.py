@@ -233,8 +233,11 @@ class PastFutureEstimator:
         self.fraction = fraction
 
     def table(self, running: Sequence[RunningLike]) -> PeakTable:
-        held, gen, cap = _arrays(running)
-        u = self.rng.random((self.num_draws, len(running)))
+        return self.table_of(*_arrays(running))
+
+    def table_of(self, held: np.ndarray, gen: np.ndarray, cap: np.ndarray) -> PeakTable:
+        """``table`` for running requests given as arrays (c, g, M), one entry each."""
+        u = self.rng.random((self.num_draws, len(held)))
         r = remaining_tokens(self.history.sorted_lengths(), gen, cap, u)
         return PeakTable(r, held)
 
@@ -306,10 +309,62 @@ class PastFutureAdmission:
         if not running:
             # Nothing to protect: waiting cannot make room, so refusing would only stall.
             return True
-        held = sum(r.num_tokens_held for r in running)
+        held, gen, cap = _arrays(running)
+        return self._admits(
+            num_prompt_tokens,
+            max_tokens,
+            held,
+            gen,
+            cap,
+            num_free_blocks,
+            num_total_blocks,
+            block_size,
+        )
+
+    def can_admit_arrays(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        running: np.ndarray,
+        num_free_blocks: int,
+        num_total_blocks: int,
+        block_size: int,
+    ) -> bool:
+        """``can_admit`` with the running requests as an (n, 3) array of rows
+        (c, g, M): the same decision and the same random draws, without building
+        one object per running request (the simulator's engines call this)."""
+        if math.ceil((num_prompt_tokens + 1) / block_size) > num_free_blocks:
+            return False
+        if not len(running):
+            return True
+        held, gen, cap = running[:, 0], running[:, 1], running[:, 2]
+        return self._admits(
+            num_prompt_tokens,
+            max_tokens,
+            held,
+            gen,
+            cap,
+            num_free_blocks,
+            num_total_blocks,
+            block_size,
+        )
+
+    def _admits(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        held: np.ndarray,
+        gen: np.ndarray,
+        cap: np.ndarray,
+        num_free_blocks: int,
+        num_total_blocks: int,
+        block_size: int,
+    ) -> bool:
         used_tokens = (num_total_blocks - num_free_blocks) * block_size
-        other_tokens = max(0, used_tokens - held)
-        self.last_peak_tokens = self.estimator.peak_with(running, num_prompt_tokens, max_tokens)
+        other_tokens = max(0.0, used_tokens - float(held.sum()))
+        table = self.estimator.table_of(held, gen, cap)
+        r_q = self.estimator.candidate_remaining(max_tokens)
+        self.last_peak_tokens = table.peak_with(float(num_prompt_tokens), r_q)
         limit = self.estimator.fraction * num_total_blocks * block_size - other_tokens
         return self.last_peak_tokens < limit
 
