@@ -117,10 +117,23 @@ def sample_output_lengths(
     else:
         tail = None
     pos = lo + u * np.maximum(count - 1, 0)
-    drawn = np.interp(pos, np.arange(m), sorted_lengths)
+    drawn = _interp_unit(pos, sorted_lengths)
     if tail is not None:
         drawn = np.where(count > 0, drawn, tail)
     return np.minimum(drawn, cap)
+
+
+def _interp_unit(pos: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``np.interp(pos, arange(m), values)`` for ``0 <= pos`` (beyond ``m − 1``: any
+    finite value, the caller replaces it): ``v[j] + (pos − j)·(v[j+1] − v[j])``, the
+    same operations ``np.interp`` performs, without its per-point binary search."""
+    m = len(values)
+    if m == 1:
+        return np.full(pos.shape, values[0])
+    j = np.minimum(pos.astype(np.intp), m - 2)
+    base = values[j]
+    out: np.ndarray = base + (pos - j) * (values[j + 1] - base)
+    return out
 
 
 def remaining_tokens(
@@ -169,7 +182,7 @@ class PeakTable:
         num_draws, n = remaining.shape
         self.num_running = n
         order = np.argsort(-remaining, axis=1, kind="stable")
-        self._r = np.take_along_axis(remaining, order, axis=1)
+        self._r = remaining[np.arange(num_draws)[:, None], order]
         self._c = np.cumsum(np.asarray(held, dtype=np.float64)[order], axis=1)
         self._terms = np.arange(1, n + 1) * self._r + self._c
         self.peaks: np.ndarray = self._terms.max(axis=1) if n else np.zeros(num_draws)
