@@ -117,10 +117,23 @@ def sample_output_lengths(
     else:
         tail = None
     pos = lo + u * np.maximum(count - 1, 0)
-    drawn = np.interp(pos, np.arange(m), sorted_lengths)
+    drawn = _interp_unit(pos, sorted_lengths)
     if tail is not None:
         drawn = np.where(count > 0, drawn, tail)
     return np.minimum(drawn, cap)
+
+
+def _interp_unit(pos: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``np.interp(pos, arange(m), values)`` for ``0 <= pos`` (beyond ``m − 1``: any
+    finite value, the caller replaces it): ``v[j] + (pos − j)·(v[j+1] − v[j])``, the
+    same operations ``np.interp`` performs, without its per-point binary search."""
+    m = len(values)
+    if m == 1:
+        return np.full(pos.shape, values[0])
+    j = np.minimum(pos.astype(np.intp), m - 2)
+    base = values[j]
+    out: np.ndarray = base + (pos - j) * (values[j + 1] - base)
+    return out
 
 
 def remaining_tokens(
@@ -169,7 +182,7 @@ class PeakTable:
         num_draws, n = remaining.shape
         self.num_running = n
         order = np.argsort(-remaining, axis=1, kind="stable")
-        self._r = np.take_along_axis(remaining, order, axis=1)
+        self._r = remaining[np.arange(num_draws)[:, None], order]
         self._c = np.cumsum(np.asarray(held, dtype=np.float64)[order], axis=1)
         self._terms = np.arange(1, n + 1) * self._r + self._c
         self.peaks: np.ndarray = self._terms.max(axis=1) if n else np.zeros(num_draws)
@@ -233,8 +246,11 @@ class PastFutureEstimator:
         self.fraction = fraction
 
     def table(self, running: Sequence[RunningLike]) -> PeakTable:
-        held, gen, cap = _arrays(running)
-        u = self.rng.random((self.num_draws, len(running)))
+        return self.table_of(*_arrays(running))
+
+    def table_of(self, held: np.ndarray, gen: np.ndarray, cap: np.ndarray) -> PeakTable:
+        """``table`` for running requests given as arrays (c, g, M), one entry each."""
+        u = self.rng.random((self.num_draws, len(held)))
         r = remaining_tokens(self.history.sorted_lengths(), gen, cap, u)
         return PeakTable(r, held)
 
@@ -306,10 +322,62 @@ class PastFutureAdmission:
         if not running:
             # Nothing to protect: waiting cannot make room, so refusing would only stall.
             return True
-        held = sum(r.num_tokens_held for r in running)
+        held, gen, cap = _arrays(running)
+        return self._admits(
+            num_prompt_tokens,
+            max_tokens,
+            held,
+            gen,
+            cap,
+            num_free_blocks,
+            num_total_blocks,
+            block_size,
+        )
+
+    def can_admit_arrays(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        running: np.ndarray,
+        num_free_blocks: int,
+        num_total_blocks: int,
+        block_size: int,
+    ) -> bool:
+        """``can_admit`` with the running requests as an (n, 3) array of rows
+        (c, g, M): the same decision and the same random draws, without building
+        one object per running request (the simulator's engines call this)."""
+        if math.ceil((num_prompt_tokens + 1) / block_size) > num_free_blocks:
+            return False
+        if not len(running):
+            return True
+        held, gen, cap = running[:, 0], running[:, 1], running[:, 2]
+        return self._admits(
+            num_prompt_tokens,
+            max_tokens,
+            held,
+            gen,
+            cap,
+            num_free_blocks,
+            num_total_blocks,
+            block_size,
+        )
+
+    def _admits(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        held: np.ndarray,
+        gen: np.ndarray,
+        cap: np.ndarray,
+        num_free_blocks: int,
+        num_total_blocks: int,
+        block_size: int,
+    ) -> bool:
         used_tokens = (num_total_blocks - num_free_blocks) * block_size
-        other_tokens = max(0, used_tokens - held)
-        self.last_peak_tokens = self.estimator.peak_with(running, num_prompt_tokens, max_tokens)
+        other_tokens = max(0.0, used_tokens - float(held.sum()))
+        table = self.estimator.table_of(held, gen, cap)
+        r_q = self.estimator.candidate_remaining(max_tokens)
+        self.last_peak_tokens = table.peak_with(float(num_prompt_tokens), r_q)
         limit = self.estimator.fraction * num_total_blocks * block_size - other_tokens
         return self.last_peak_tokens < limit
 

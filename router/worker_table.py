@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -30,6 +31,8 @@ from router.prefix_index import PrefixIndex
 from router.types import ClusterView, LengthClass, Role, RunningRequest, WorkerView
 
 __all__ = ["TableSettings", "WorkerTable"]
+
+_ROW_FIELDS = operator.attrgetter("num_tokens_held", "num_generated", "max_tokens")
 
 _ROLE_CODES = {Role.PREFILL: 0, Role.DECODE: 1, Role.MIXED: 2, Role.ENCODE: 3}
 
@@ -138,7 +141,9 @@ class WorkerTable:
         self.block_size[i] = w.block_size
         self.queued_tokens[i] = sum(w.queued_tokens.values())
 
-        coeffs, queue_coeffs, budget = self._prefill_curve(w, model)
+        rows = _running_rows(w.running)
+        held_total = float(rows[:, 0].sum())
+        coeffs, queue_coeffs, budget = self._prefill_curve(w, model, held_total)
         p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
         self.pa[i], self.pb[i], self.pc[i] = (
             coeffs.a * p_margin,
@@ -152,7 +157,6 @@ class WorkerTable:
         self.wait_short_s[i] = short_s * p_margin
         self.wait_long_s[i] = long_s * p_margin
 
-        held_total = float(sum(r.num_tokens_held for r in w.running))
         num_running = len(w.running)
         dec = model.decode_coeffs
         d_margin = 1.0 + (model.decode_error if s.use_error_margin else 0.0)
@@ -179,7 +183,7 @@ class WorkerTable:
         self.batch_limit_tokens[i] = s.batch_memory_fraction * capacity - other
 
         if w.role is Role.DECODE or w.role in s.colocate_roles:
-            table = self._peak_table(w)
+            table = self._peak_table(w, rows)
             self.tables[i] = table
             self.peak_tokens[i] = table.peak_tokens
         else:
@@ -206,7 +210,9 @@ class WorkerTable:
         self.batch_coloc_ok[i] = seat and coloc and peak < batch_limit
 
     @staticmethod
-    def _prefill_curve(w: WorkerView, model: CostModel) -> tuple[QuadCoeffs, QuadCoeffs, int]:
+    def _prefill_curve(
+        w: WorkerView, model: CostModel, held: float
+    ) -> tuple[QuadCoeffs, QuadCoeffs, int]:
         """(one request's prefill curve, the queue's per-step curve, step budget) as
         this worker actually prefills.
 
@@ -223,24 +229,18 @@ class WorkerTable:
         dec = model.decode_coeffs
         num_running = len(w.running)
         chunk = max(1, budget - num_running)
-        held = sum(r.num_tokens_held for r in w.running)
         step_s = max(coeffs.a, dec.a) + dec.b * num_running + dec.c * held
         # One request: ⌈n / chunk⌉·step ≤ step + n·step / chunk, folded into a and b.
         own = QuadCoeffs(step_s, coeffs.b + step_s / chunk, coeffs.c)
         return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
-    def _peak_table(self, w: WorkerView) -> PeakTable:
+    def _peak_table(self, w: WorkerView, rows: np.ndarray) -> PeakTable:
         """Reused while the running set is the same object and H has not changed
         (a snapshot that only moved queues or free blocks)."""
         cached = self._peak_cache.get(w.worker_id)
         if cached is not None and cached[0] is w.running and cached[1] is self.sorted_history:
             return cached[2]
-        n = len(w.running)
-        rows = np.array(
-            [(r.num_tokens_held, r.num_generated, r.max_tokens) for r in w.running],
-            dtype=np.float64,
-        ).reshape(n, 3)
-        u = self._rng.random((self.settings.num_draws, n))
+        u = self._rng.random((self.settings.num_draws, len(rows)))
         r = remaining_tokens(self.sorted_history, rows[:, 1], rows[:, 2], u)
         table = PeakTable(r, rows[:, 0])
         self._peak_cache[w.worker_id] = (w.running, self.sorted_history, table)
@@ -265,3 +265,10 @@ class WorkerTable:
             mask |= self.role == _ROLE_CODES[role]
         result: np.ndarray = mask & self.usable
         return result
+
+
+def _running_rows(running: Sequence[RunningRequest]) -> np.ndarray:
+    """(c, g, M) of each running request as an (n, 3) array."""
+    n = len(running)
+    flat = np.fromiter(chain.from_iterable(map(_ROW_FIELDS, running)), np.float64, 3 * n)
+    return flat.reshape(n, 3)

@@ -42,6 +42,21 @@ __all__ = ["SimCluster"]
 _ARRIVAL, _RETRY, _STEP_END, _LANDED = 0, 1, 2, 3
 _HISTORY = 200  # finished output lengths kept for the router's estimator
 
+_new_running = RunningRequest.__new__
+_set_held = RunningRequest.num_tokens_held.__set__  # type: ignore[attr-defined,misc]
+_set_generated = RunningRequest.num_generated.__set__  # type: ignore[attr-defined,misc]
+_set_max_tokens = RunningRequest.max_tokens.__set__  # type: ignore[attr-defined,misc]
+
+
+def _running(held: int, generated: int, max_tokens: int) -> RunningRequest:
+    """``RunningRequest(held, generated, max_tokens)`` through its slots: the frozen
+    dataclass ``__init__`` costs more than the rest of a view, at 256 per worker."""
+    r = _new_running(RunningRequest)
+    _set_held(r, held)
+    _set_generated(r, generated)
+    _set_max_tokens(r, max_tokens)
+    return r
+
 
 class SimCluster:
     def __init__(
@@ -291,11 +306,11 @@ class SimCluster:
 
     def _worker_view(self, w: SimWorker, now_s: float) -> WorkerView:
         k = w.progress_at(now_s)
-        running = [RunningRequest(r.held + k, r.generated + k, r.max_tokens) for r in w.running]
+        running = [_running(r.held + k, r.generated + k, r.max_tokens) for r in w.running]
         reserved_tokens = 0
         for r in w.reserved.values():
             if r.decode_worker is w or r.decode_worker is None:  # None: colocated here
-                running.append(RunningRequest(r.input_len, r.generated, r.max_tokens))
+                running.append(_running(r.input_len, r.generated, r.max_tokens))
                 reserved_tokens += r.input_len
         free_tokens = w.capacity_tokens - w.used_tokens - reserved_tokens
         bs = self.profile.block_size

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 from loadgen.sim.profile import Profile
-from router.types import LengthClass, Role, RunningRequest, StepSample
+from router.types import LengthClass, Role, StepSample
 
 __all__ = ["Admission", "SimRequest", "SimWorker"]
 
@@ -30,15 +32,17 @@ __all__ = ["Admission", "SimRequest", "SimWorker"]
 class Admission(Protocol):
     """The engine's decode admission rule (``router.estimator.PastFutureAdmission``)."""
 
-    def can_admit(
+    def can_admit_arrays(
         self,
         num_prompt_tokens: int,
         max_tokens: int,
-        running: Sequence[RunningRequest],
+        running: np.ndarray,
         num_free_blocks: int,
         num_total_blocks: int,
         block_size: int,
-    ) -> bool: ...
+    ) -> bool:
+        """``can_admit`` with the running requests as rows (held, generated, max_tokens)."""
+        ...
 
     def observe_finished(self, output_len: int) -> None: ...
 
@@ -292,8 +296,9 @@ class SimWorker:
         if self.admission is None:
             return True
         bs = self.profile.block_size
-        running = [RunningRequest(r.held, r.generated, r.max_tokens) for r in self.running]
-        return self.admission.can_admit(
+        rows = [(r.held, r.generated, r.max_tokens) for r in self.running]
+        running = np.array(rows, dtype=np.float64).reshape(len(rows), 3)
+        return self.admission.can_admit_arrays(
             need,
             req.max_tokens,
             running,
