@@ -317,21 +317,9 @@ class PastFutureAdmission:
         num_total_blocks: int,
         block_size: int,
     ) -> bool:
-        if math.ceil((num_prompt_tokens + 1) / block_size) > num_free_blocks:
-            return False
-        if not running:
-            # Nothing to protect: waiting cannot make room, so refusing would only stall.
-            return True
-        held, gen, cap = _arrays(running)
-        return self._admits(
-            num_prompt_tokens,
-            max_tokens,
-            held,
-            gen,
-            cap,
-            num_free_blocks,
-            num_total_blocks,
-            block_size,
+        rows = np.column_stack(_arrays(running)) if running else np.empty((0, 3))
+        return self.can_admit_arrays(
+            num_prompt_tokens, max_tokens, rows, num_free_blocks, num_total_blocks, block_size
         )
 
     def can_admit_arrays(
@@ -349,6 +337,7 @@ class PastFutureAdmission:
         if math.ceil((num_prompt_tokens + 1) / block_size) > num_free_blocks:
             return False
         if not len(running):
+            # Nothing to protect: waiting cannot make room, so refusing would only stall.
             return True
         held, gen, cap = running[:, 0], running[:, 1], running[:, 2]
         return self._admits(
