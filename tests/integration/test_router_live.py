@@ -89,10 +89,10 @@ def test_shared_prefix_lands_where_it_is_cached(two_mixed_prefix_aware: ServedGa
 SEED = 7
 RATE_PER_S = 32.0
 NUM_REQUESTS = 160  # per phase: ~5 s of arrivals
-LONG_FRACTION = 0.35
+LONG_FRACTION = 0.25
 SHORT_TOKENS = (16, 64)
-LONG_TOKENS = (1200, 1800)
-PHASES = ("round_robin", "slo_goodput", "round_robin", "slo_goodput")
+LONG_TOKENS = (1700, 2000)
+PHASES = ("round_robin", "slo_goodput") * 3
 
 
 @dataclass(frozen=True, slots=True)
