@@ -9,7 +9,8 @@
   FCFS within a worker (a short prompt that arrives behind a long one waits for
   its prefill step), so ``slo_goodput`` runs with ``length_split: spatial``: long
   prompts go to one prefill worker and short ones never queue behind them.
-  Short requests' p90 TTFT must be clearly lower under ``slo_goodput``.
+  Under ``slo_goodput`` no short prompt is prefilled on a worker that prefilled
+  a long one, and short requests' p90 TTFT is lower than under ``round_robin``.
 """
 
 from __future__ import annotations
@@ -125,22 +126,25 @@ def prompt_ids(arrival: Arrival, salt: int, vocab: int) -> tuple[int, ...]:
     return tuple(int(t) for t in rng.integers(3, vocab, arrival.num_tokens))
 
 
-async def run_phase(svc: GatewayService, arrivals: list[Arrival], salt: int) -> list[float]:
-    """Open loop: submit each request at its time; TTFT of each (inf if rejected)."""
+async def run_phase(
+    svc: GatewayService, arrivals: list[Arrival], salt: int
+) -> list[tuple[float, str]]:
+    """Open loop: submit each request at its time; per request its TTFT (inf if
+    rejected) and the worker that sent its first token (where it was prefilled)."""
     sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     vocab = 250  # byte tokenizer: plain byte values
 
-    async def one(i: int, a: Arrival) -> float:
+    async def one(i: int, a: Arrival) -> tuple[float, str]:
         prompt = prompt_ids(a, salt, vocab)
         arrival_s = time.monotonic()
-        ttft_s = float("inf")
+        ttft_s, worker = float("inf"), ""
         try:
-            async for _ in svc.generate(f"p{salt}-{i}", prompt, sampling, arrival_s):
+            async for delta in svc.generate(f"p{salt}-{i}", prompt, sampling, arrival_s):
                 if ttft_s == float("inf"):
-                    ttft_s = time.monotonic() - arrival_s
+                    ttft_s, worker = time.monotonic() - arrival_s, delta.worker_id
         except (Overloaded, ServiceFailure):
             pass  # counted as never served
-        return ttft_s
+        return ttft_s, worker
 
     start_s = time.monotonic()
     tasks = []
@@ -191,12 +195,22 @@ def test_short_prompts_p90_ttft_lower_under_slo_goodput_than_round_robin(
         server.call(run_phase(svc, arrivals[:40], salt=100 + len(name)), timeout_s=60)
 
     short: dict[str, list[float]] = {"round_robin": [], "slo_goodput": []}
+    prefilled_on: dict[bool, set[str]] = {True: set(), False: set()}  # long? -> workers
     for salt, name in enumerate(PHASES):
         svc.executor.set_policy(*policies[name])
-        ttfts = server.call(run_phase(svc, arrivals, salt), timeout_s=120)
-        short[name] += [t for t, a in zip(ttfts, arrivals, strict=True) if not a.long]
+        results = server.call(run_phase(svc, arrivals, salt), timeout_s=120)
+        short[name] += [t for (t, _), a in zip(results, arrivals, strict=True) if not a.long]
+        if name == "slo_goodput":
+            for (_, worker), a in zip(results, arrivals, strict=True):
+                if worker:  # "": rejected
+                    prefilled_on[a.long].add(worker)
     p90 = {name: float(np.percentile(v, 90)) for name, v in short.items()}
     p50 = {name: float(np.percentile(v, 50)) for name, v in short.items()}
     print(json.dumps({"short_p90_ttft_s": p90, "short_p50_ttft_s": p50}))  # seen with -s
     assert all(np.isfinite(v).all() for v in short.values()), "short requests rejected"
-    assert p90["slo_goodput"] < 0.8 * p90["round_robin"], p90
+    # The mechanism, exactly: under the spatial split no short prompt was prefilled
+    # where long ones were, so none could queue behind one.
+    assert prefilled_on[True] and not prefilled_on[True] & prefilled_on[False], prefilled_on
+    # Its effect, as the issue states it; on 2 shared cores round_robin's p90 is
+    # 1.3-40x slo_goodput's over six phases.
+    assert p90["slo_goodput"] < p90["round_robin"], p90
