@@ -10,9 +10,9 @@ deploy/configs/local.yaml, waits for /v1/models, then:
 
 This 2-core machine runs in phases some 15% faster or slower for tens of
 seconds at a time, which a single profile followed by a single run turns into
-a 15% error of its own. So the test brackets: profile, run, profile, run; the
-profile is the mean of the two (a prediction is linear in the coefficients)
-and the live figures come from both runs' records together.
+a 15% error of its own. So the test alternates: profile, run, three times; the
+profile is the mean of the three (a prediction is linear in the coefficients)
+and the live figures come from all runs' records together.
 
 The server routes with ``round_robin``, so every request takes the
 disaggregated path the profile's probes measure (prefill, hand-off, decode);
@@ -27,6 +27,7 @@ import asyncio
 import importlib.util
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # on a 2-core machine they share the cores (with the gateway and this client), and
 # that contention is what neither the profile nor the simulator models.
 RATE_PER_S = 1.0
+ROUNDS = 3  # profile, run: alternated to average the machine's slow and fast phases
 WORKLOAD = WorkloadConfig(
     input_len="uniform:32-512", output_len="uniform:8-64", num_requests=40, seed=1
 )
@@ -121,8 +123,8 @@ def _measure_profile(url: str) -> Profile:
             "--prefill-lens", "16,64,128,256,384,512",
             "--decode-batches", "1,2,4",
             "--decode-contexts", "64,256",
-            "--decode-tokens", "24",
-            "--repeats", "6",
+            "--decode-tokens", "32",
+            "--repeats", "4",
             "--idle-s", "0.1",
             "--out", "unused.json",
         ]
@@ -130,23 +132,23 @@ def _measure_profile(url: str) -> Profile:
     return asyncio.run(cli_profile.measure_profile(args))
 
 
-def _mean_profile(a: Profile, b: Profile) -> Profile:
-    def mean(x: QuadCoeffs, y: QuadCoeffs) -> QuadCoeffs:
-        return QuadCoeffs((x.a + y.a) / 2, (x.b + y.b) / 2, (x.c + y.c) / 2)
+def _mean_profile(profiles: list[Profile]) -> Profile:
+    def mean(coeffs: list[QuadCoeffs]) -> QuadCoeffs:
+        return QuadCoeffs(*(statistics.fmean(getattr(q, k) for q in coeffs) for k in "abc"))
 
-    latency_s = (a.transfer.latency_s + b.transfer.latency_s) / 2
+    latency_s = statistics.fmean(p.transfer.latency_s for p in profiles)
     return replace(
-        a,
-        prefill=mean(a.prefill, b.prefill),
-        decode=mean(a.decode, b.decode),
-        transfer=replace(a.transfer, latency_s=latency_s),
+        profiles[0],
+        prefill=mean([p.prefill for p in profiles]),
+        decode=mean([p.decode for p in profiles]),
+        transfer=replace(profiles[0].transfer, latency_s=latency_s),
     )
 
 
 def test_bench_zero_failed_and_close_to_simulation(server: str, tmp_path: Path) -> None:
     slo = GoodputSLO(ttft_ms=400.0, tpot_ms=60.0)
     profiles, records = [], []
-    for _ in range(2):
+    for _ in range(ROUNDS):
         profiles.append(_measure_profile(server))
         result = run_bench(BenchConfig(server, WORKLOAD, rate=RateSpec(RATE_PER_S), slo=slo))
         assert result.summary["failed"] == 0
@@ -157,7 +159,7 @@ def test_bench_zero_failed_and_close_to_simulation(server: str, tmp_path: Path) 
     assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == WORKLOAD.num_requests
     assert (tmp_path / "latency_cdf.png").stat().st_size > 0
 
-    profile = _mean_profile(*profiles)
+    profile = _mean_profile(profiles)
     sim = simulate(
         SimConfig(
             workload=WORKLOAD,
@@ -169,7 +171,7 @@ def test_bench_zero_failed_and_close_to_simulation(server: str, tmp_path: Path) 
             slo=slo,
         )
     ).summary
-    live = compute_summary(records, 2 * result.summary["duration"], slo)
+    live = compute_summary(records, ROUNDS * result.summary["duration"], slo)
     keys = ("median_ttft_ms", "median_tpot_ms", "request_goodput", "request_throughput")
     print(json.dumps({"fidelity": {k: {"live": live[k], "sim": sim[k]} for k in keys}}))
     for key in keys:
