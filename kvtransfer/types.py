@@ -7,7 +7,9 @@ mutated after it has been handed to another process.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["BlockHandle", "KVLayout", "LayoutMismatchError", "TransferState"]
 
@@ -102,3 +104,6 @@ class BlockHandle:
     expires_at_s: float
     peer_info: bytes = b""
     extra: dict[str, str] = field(default_factory=dict)
+    # For an engine that moves its own KV (vLLM): its transfer parameters, opaque to
+    # Baton and handed to the decoding engine as they are. block_ids is then empty.
+    payload: Mapping[str, Any] | None = None

@@ -54,6 +54,11 @@ class EngineConfig(_Section):
         description="admit waiting requests by the past-future peak estimate, or by free blocks now",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker")
+    vllm: dict[str, Any] = Field(
+        default_factory=dict,
+        description="backend vllm: extra vLLM EngineArgs (dtype, enforce_eager, "
+        "gpu_memory_utilization, tensor_parallel_size, ...); unknown names are refused at start",
+    )
 
 
 class WorkersConfig(_Section):

@@ -8,12 +8,17 @@ from typing import Any
 from services.backends.protocol import AdmissionPolicy, Engine
 from services.config import EngineConfig, ModelConfig
 
-__all__ = ["BACKENDS", "make_engine"]
+__all__ = ["BACKENDS", "MOVES_OWN_KV", "make_engine"]
 
 # name -> "module:factory"; a factory takes (model_cfg, engine_cfg, admission) -> Engine.
 BACKENDS: dict[str, str] = {
     "embedded": "services.backends.embedded:make_embedded_engine",
+    "vllm": "services.backends.vllm.engine:make_vllm_engine",
+    "fake": "services.backends.fake:make_fake_engine",  # tests: no model
 }
+# Backends whose engine moves KV between workers itself (vLLM's NixlConnector):
+# their workers get no kvtransfer connector, and the engine is told the lease.
+MOVES_OWN_KV = frozenset({"vllm"})
 
 
 def make_engine(
@@ -21,6 +26,8 @@ def make_engine(
     model_cfg: ModelConfig,
     engine_cfg: EngineConfig,
     admission: AdmissionPolicy | None = None,
+    *,
+    kv_lease_s: float | None = None,
 ) -> Engine:
     """Build the engine registered as ``backend`` (ValueError naming the known ones otherwise)."""
     target = BACKENDS.get(backend)
@@ -28,5 +35,8 @@ def make_engine(
         raise ValueError(f"unknown engine backend {backend!r}; known: {sorted(BACKENDS)}")
     module_name, factory_name = target.split(":")
     factory: Any = getattr(importlib.import_module(module_name), factory_name)
-    engine: Engine = factory(model_cfg, engine_cfg, admission)
+    if backend in MOVES_OWN_KV:
+        engine: Engine = factory(model_cfg, engine_cfg, admission, kv_lease_s=kv_lease_s)
+    else:
+        engine = factory(model_cfg, engine_cfg, admission)
     return engine

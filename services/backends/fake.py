@@ -35,7 +35,7 @@ from services.engine.messages import (
     TokenLogprob,
 )
 
-__all__ = ["FakeEngine", "FakeModelInfo", "FakeTokenizer"]
+__all__ = ["FakeEngine", "FakeModelInfo", "FakeTokenizer", "make_fake_engine"]
 
 _EOS = 0
 _VOCAB = 256
@@ -336,3 +336,15 @@ class FakeEngine:
         context = sum(len(s.tokens) for s in self._running)
         step = StepStats(1e-4 * num_seqs, num_prefill, num_seqs, context, time.monotonic())
         self._recent_steps = [*self._recent_steps[-15:], step]
+
+
+def make_fake_engine(model_cfg: Any, engine_cfg: Any, admission: Any = None) -> FakeEngine:
+    """Registered as backend ``fake``: a FakeEngine sized like ``engine_cfg`` (tests only)."""
+    del model_cfg, admission
+    layout_bytes = 2 * engine_cfg.block_size * 4  # one layer, K and V planes, float32
+    return FakeEngine(
+        num_blocks=max(1, engine_cfg.kv_cache_bytes // layout_bytes),
+        block_size=engine_cfg.block_size,
+        max_model_len=engine_cfg.max_model_len or 512,
+        max_num_seqs=engine_cfg.max_num_seqs,
+    )

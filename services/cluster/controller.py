@@ -36,6 +36,10 @@ Launcher = Callable[[WorkerSpec], WorkerClient]
 class ControllerConfig:
     ping_interval_s: float = 0.5
     ping_timeout_s: float = 1.0
+    # Consecutive missed pings before a live actor counts as hung: a worker whose
+    # engine step briefly holds its process (a long prefill on a busy CPU) is not
+    # killed for one slow answer. A dead actor is noticed at once by its watch.
+    ping_misses_to_down: int = 3
     replace_dead: bool = True
     ready_timeout_s: float = 300.0
 
@@ -46,6 +50,7 @@ class _Entry:
     client: WorkerClient
     ready: asyncio.Event
     watch: asyncio.Task[None] | None = None
+    missed_pings: int = 0
 
 
 class Controller:
@@ -143,8 +148,13 @@ class Controller:
                 return_exceptions=True,
             )
             for entry, result in zip(ready, results, strict=True):
-                if isinstance(result, BaseException):
-                    self._down(entry.spec.worker_id, f"ping failed: {type(result).__name__}")
+                if not isinstance(result, BaseException):
+                    entry.missed_pings = 0
+                    continue
+                entry.missed_pings += 1
+                if entry.missed_pings >= self._config.ping_misses_to_down:
+                    reason = f"{entry.missed_pings} pings failed, last: {type(result).__name__}"
+                    self._down(entry.spec.worker_id, reason)
 
     def _down(self, worker_id: str, reason: str) -> None:
         entry = self._entries.pop(worker_id, None)

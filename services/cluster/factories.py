@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from kvtransfer.connector import KVConnector
 from services.backends.protocol import Engine
-from services.config import EngineConfig, KVTransferConfig, ModelConfig
+from services.config import ClusterConfig, EngineConfig, KVTransferConfig, ModelConfig
 
-__all__ = ["ConnectorFactory", "EngineFactory", "FakeEngineFactory"]
+__all__ = ["ConnectorFactory", "EngineFactory", "FakeEngineFactory", "factories_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +16,9 @@ class EngineFactory:
     backend: str
     model: ModelConfig
     engine: EngineConfig
+    # For backends that move their own KV (vLLM): the lease on held prefill blocks;
+    # None when the worker never exchanges KV (colocated).
+    kv_lease_s: float | None = None
 
     def __call__(self) -> Engine:
         import torch
@@ -24,7 +27,9 @@ class EngineFactory:
 
         if self.engine.num_threads is not None:
             torch.set_num_threads(self.engine.num_threads)
-        engine: Engine = make_engine(self.backend, self.model, self.engine)
+        engine: Engine = make_engine(
+            self.backend, self.model, self.engine, kv_lease_s=self.kv_lease_s
+        )
         return engine
 
 
@@ -58,3 +63,19 @@ class ConnectorFactory:
             transfer_timeout_s=self.config.transfer_timeout_s,
         )
         return connector
+
+
+def factories_for(config: ClusterConfig) -> tuple[EngineFactory, ConnectorFactory | None]:
+    """The engine and KV-connector recipes for ``config``'s workers.
+
+    A backend that moves its own KV (vLLM) gets no kvtransfer connector; in
+    disaggregated mode its engine is told the lease on held prefill blocks instead.
+    """
+    from services.backends import MOVES_OWN_KV  # type: ignore[attr-defined]
+
+    engine = config.engine
+    if engine.backend in MOVES_OWN_KV:
+        disaggregated = config.workers.mode == "disaggregated"
+        lease_s = config.kvtransfer.lease_s if disaggregated else None
+        return EngineFactory(engine.backend, config.model, engine, kv_lease_s=lease_s), None
+    return EngineFactory(engine.backend, config.model, engine), ConnectorFactory(config.kvtransfer)

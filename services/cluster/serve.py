@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, help="number of prefill workers")
     parser.add_argument("--decode", type=int, help="number of decode workers")
     parser.add_argument("--mode", choices=["disaggregated", "colocated"])
+    parser.add_argument("--backend", choices=["embedded", "vllm"], help="engine backend")
     parser.add_argument("--kv-backend", choices=["nixl", "torch", "local"])
     parser.add_argument("--policy", help="router policy (round_robin, slo_goodput, ...)")
     parser.add_argument("--api-key", help="require this bearer key (default: $BATON_API_KEY)")
@@ -59,6 +60,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
             "workers.prefill": args.prefill,
             "workers.decode": args.decode,
             "workers.mode": args.mode,
+            "engine.backend": getattr(args, "backend", None),
             "workers.num_cpus": args.worker_cpus,
             "kvtransfer.backend": args.kv_backend,
             "router.policy": args.policy,
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = build_config(args)
+        check_backend_options(config)
     except (ValueError, KeyError, OSError) as e:
         print(f"baton serve: invalid configuration: {e}", file=sys.stderr)
         return 2
@@ -140,17 +143,13 @@ def _server_class() -> Any:
 
 
 def _build_service(config: ClusterConfig, num_gpus: float) -> Any:
-    from services.cluster.factories import ConnectorFactory, EngineFactory
+    from services.cluster.factories import factories_for
     from services.cluster.launchers import RayLauncher
     from services.cluster.specs import worker_specs
     from services.engine.loader import load_tokenizer
     from services.gateway.service import GatewayService, GatewaySettings
 
-    specs = worker_specs(
-        config,
-        EngineFactory(config.engine.backend, config.model, config.engine),
-        ConnectorFactory(config.kvtransfer),
-    )
+    specs = worker_specs(config, *factories_for(config))
     settings = GatewaySettings(
         config.gateway, config.router, config.model, config.kvtransfer.backend
     )
@@ -172,6 +171,19 @@ async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
         f"kv={config.kvtransfer.backend})",
         flush=True,
     )
+
+
+def check_backend_options(config: ClusterConfig) -> None:
+    """Refuse, before any worker starts, backend options the backend does not take."""
+    if config.engine.backend == "vllm":
+        from services.backends.vllm import check_vllm_options
+
+        check_vllm_options(config.engine.vllm)
+    elif config.engine.vllm:
+        raise ValueError(
+            f"engine.vllm is set but engine.backend is {config.engine.backend!r}; "
+            "set engine.backend: vllm or remove engine.vllm"
+        )
 
 
 def _num_gpus(config: ClusterConfig) -> float:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvtransfer.types import KVLayout
 
@@ -118,6 +120,9 @@ class EngineRequest:
     prefill_only: bool = False
     output_token_ids: tuple[int, ...] = ()
     arrival_time_s: float = 0.0
+    # Engines that move their own KV (``moves_own_kv``, vLLM): the prefill worker's
+    # transfer parameters; the engine pulls the prompt's KV itself and continues.
+    remote_kv: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,9 @@ class RequestOutput:
     num_output_tokens: int = 0  # total so far, including adopted ones
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     held_kv: HeldKV | None = None  # set when a prefill-only request finishes
+    # Instead of held_kv, from an engine that moves its own KV: what a decoder's
+    # engine needs to pull it (vLLM's kv_transfer_params), opaque to Baton.
+    remote_kv: Mapping[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -21,9 +21,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kvtransfer.connector import KVConnector, KVTransferError
 from kvtransfer.types import BlockHandle, TransferState
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 KV_REGION = "kv"
 _IDLE_POLL_S = 0.0005  # while a pull is in flight
+_HELD_POLL_S = 0.01  # an engine that moves its own KV holds blocks for a decoder
 # A snapshot after an admission or a finish goes out this much later, so that its
 # serialisation does not compete with the token that caused it; and no more often
 # than every _MIN_PUBLISH_GAP_S under load.
@@ -119,6 +121,11 @@ class EngineLoop:
         self._active: set[str] = set()  # in the engine: waiting, running or adopting
         self._pulls: dict[str, _Pull] = {}  # transfer_id -> pull
         self._held: dict[str, str] = {}  # request_id -> transfer_id of its hold
+        # An engine that moves its own KV (vLLM) pulls inside its step: a Continue is
+        # an add_request with the handle's payload, and the pull counts as done at the
+        # request's first output.
+        self._moves_own_kv = bool(getattr(engine, "moves_own_kv", False))
+        self._own_pulls: dict[str, _Pull] = {}  # request_id -> pull
         self._seq = 0
         self._num_finished = 0
         self._last_publish_s = 0.0
@@ -170,15 +177,22 @@ class EngineLoop:
             self._connector.close()
 
     def _step(self) -> list[RequestOutput]:
-        if not self._engine.has_unfinished():
-            return []
-        return self._engine.step()
+        if self._engine.has_unfinished():
+            return self._engine.step()
+        if self._own_holds():
+            self._engine.step()  # lets the engine expire leases and serve pulls
+        return []
+
+    def _own_holds(self) -> bool:
+        return self._moves_own_kv and bool(getattr(self._engine, "holds_blocks", bool)())
 
     def _wait_for_work(self) -> None:
         if self._pulls:
             timeout_s = _IDLE_POLL_S
         elif self._engine.has_unfinished():
             timeout_s = 0.001  # blocked on capacity: look again soon
+        elif self._own_holds():
+            timeout_s = _HELD_POLL_S
         else:
             timeout_s = max(0.0, self._next_publish_s() - time.monotonic())
         self._wake.wait(timeout_s)
@@ -220,6 +234,12 @@ class EngineLoop:
 
     def _adopt_and_pull(self, job: Continue) -> None:
         request_id = job.request.request_id
+        if self._moves_own_kv:
+            self._add(replace(job.request, remote_kv=job.handle.payload))
+            if request_id in self._active:
+                num_bytes = len(job.request.prompt_token_ids) * _bytes_per_token(job.handle)
+                self._own_pulls[request_id] = _Pull(request_id, "", num_bytes, time.monotonic())
+            return
         connector = self._connector
         if connector is None:
             self._fail(request_id, FailureKind.INTERNAL, "this worker has no KV connector")
@@ -244,6 +264,7 @@ class EngineLoop:
         self._pulls[transfer_id] = _Pull(request_id, transfer_id, num_bytes, time.monotonic())
 
     def _abort(self, request_id: str) -> None:
+        self._own_pulls.pop(request_id, None)
         for transfer_id, pull in list(self._pulls.items()):
             if pull.request_id == request_id:
                 del self._pulls[transfer_id]
@@ -278,7 +299,13 @@ class EngineLoop:
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:
             handle = None
-            if out.held_kv is not None:
+            pull = self._own_pulls.pop(out.request_id, None)
+            if pull is not None:
+                duration_s = time.monotonic() - pull.started_s
+                self._on_event(out.request_id, KVPulled(out.request_id, pull.num_bytes, duration_s))
+            if out.remote_kv is not None:
+                handle = self._remote_handle(out.request_id, out.remote_kv)
+            elif out.held_kv is not None:
                 handle = self._hold(out.request_id, out.held_kv.block_ids)
                 if handle is None:
                     continue
@@ -298,6 +325,19 @@ class EngineLoop:
         handle = connector.hold(KV_REGION, block_ids, on_release=on_release)
         self._held[request_id] = handle.transfer_id
         return handle
+
+    def _remote_handle(self, request_id: str, payload: Mapping[str, Any]) -> BlockHandle:
+        """A handle that carries the engine's own transfer parameters (no block list)."""
+        return BlockHandle(
+            backend="engine",
+            agent=self._worker_id,
+            region=KV_REGION,
+            transfer_id=request_id,
+            block_ids=(),
+            layout=self._engine.kv_layout,
+            expires_at_s=0.0,  # the engine enforces its own lease
+            payload=dict(payload),
+        )
 
     def _release_from_connector(self, request_id: str, _block_ids: Sequence[int]) -> None:
         # The connector may call this from its own thread: the engine is only
@@ -346,6 +386,10 @@ class EngineLoop:
                 max_num_seqs=self._max_num_seqs,
             ),
         )
+
+
+def _bytes_per_token(handle: BlockHandle) -> int:
+    return handle.layout.block_bytes // handle.layout.block_size
 
 
 def _to_delta(out: RequestOutput, handle: BlockHandle | None, worker_id: str) -> TokenDelta:

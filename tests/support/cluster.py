@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.cluster.controller import ControllerConfig
-from services.cluster.factories import ConnectorFactory, EngineFactory
+from services.cluster.factories import factories_for
 from services.cluster.launchers import RayLauncher, launch_in_process
 from services.cluster.specs import worker_specs
 from services.config import ClusterConfig
@@ -29,11 +29,7 @@ def tiny_config(**overrides: Any) -> ClusterConfig:
 
 
 def real_service(config: ClusterConfig, *, ray: bool, replace_dead: bool = False) -> GatewayService:
-    specs = worker_specs(
-        config,
-        EngineFactory(config.engine.backend, config.model, config.engine),
-        ConnectorFactory(config.kvtransfer),
-    )
+    specs = worker_specs(config, *factories_for(config))
     settings = GatewaySettings(
         config.gateway, config.router, config.model, config.kvtransfer.backend
     )

@@ -1,0 +1,493 @@
+"""Baton's Engine protocol over vLLM's v1 engine, run in this process.
+
+One ``vllm.v1.engine.llm_engine.LLMEngine`` with its engine core in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``step()`` schedules, runs the model and
+samples synchronously, on the worker's engine-loop thread, like the embedded engine.
+
+Disaggregation uses vLLM's own ``NixlConnector`` (``moves_own_kv``): Baton's
+kvtransfer layer is not involved.
+
+* Prefill-only: the request goes in with ``max_tokens=1`` and
+  ``kv_transfer_params={"do_remote_decode": True, ...}``; when it finishes, vLLM
+  returns the parameters a decoder needs (engine id, block ids, side-channel
+  address), which leave as ``RequestOutput.remote_kv`` and travel opaquely in the
+  ``BlockHandle``.
+* Decode: the request goes in again with those parameters; vLLM's scheduler
+  waits for the connector to pull the prompt's KV, recomputes the last prompt
+  token and samples the first output token itself. That token was already
+  streamed from the prefill worker, so it is dropped here (greedy and seeded
+  sampling give it again: same logits, the same first draw of the request's
+  generator).
+* Held prefill blocks are freed by vLLM when the decoder's pull completes, when
+  an aborted decoder sends its rejection notification, or, if no decoder ever
+  comes (the client hung up between prefill and decode), when the lease
+  (``kvtransfer.lease_s``, vLLM's ``kv_lease_duration``) runs out.
+
+A request that continues after a failure (``output_token_ids`` set) is sent as
+prompt + output so far, with the budget reduced by what was generated: greedy
+text is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+
+from kvtransfer.types import KVLayout
+from services.backends.protocol import AdmissionPolicy
+from services.backends.vllm.options import check_vllm_options
+from services.config import EngineConfig, ModelConfig
+from services.engine.messages import (
+    EngineError,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    ModelLoadError,
+    RequestOutput,
+    RunningRequestStats,
+    SamplingParams,
+    StepStats,
+    TokenLogprob,
+)
+
+__all__ = ["VllmEngine", "advertised_host", "make_vllm_engine"]
+
+log = logging.getLogger(__name__)
+
+_RECENT_STEPS = 64
+_RECENT_OUTPUT_LENS = 256
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def advertised_host() -> str:
+    """The address peers on other nodes reach this process at (not 127.0.0.1 unless alone)."""
+    configured = os.environ.get("BATON_NODE_IP") or os.environ.get("POD_IP")
+    if configured:
+        return configured
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this picks the route's source
+            host: str = s.getsockname()[0]
+            return host
+    except OSError:
+        return "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Baton's bookkeeping of one request inside vLLM."""
+
+    request: EngineRequest
+    internal_id: str  # vLLM's id for it (the request id plus a suffix vLLM adds)
+    num_prior_outputs: int  # output tokens generated before this engine saw the request
+    drop_first: bool  # a decode continuation: vLLM regenerates the token already streamed
+    num_generated: int = 0  # tokens delivered from this engine
+    finished: bool = False
+
+
+class VllmEngine:
+    """The Engine protocol over ``vllm.v1.engine.llm_engine.LLMEngine``."""
+
+    # The worker loop hands KV movement to the engine (vLLM's connector), not kvtransfer.
+    moves_own_kv = True
+
+    def __init__(self, llm: Any, name: str, *, peer_kv: bool) -> None:
+        self._llm = llm
+        self._peer_kv = peer_kv
+        model_config = llm.vllm_config.model_config
+        hf = model_config.hf_text_config
+        cache = llm.vllm_config.cache_config
+        tokenizer = llm.get_tokenizer()
+        eos = tokenizer.eos_token_id
+        self._info = _ModelInfo(
+            name=name,
+            max_model_len=int(model_config.max_model_len),
+            vocab_size=int(model_config.get_vocab_size()),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
+        self._layout = KVLayout(
+            num_layers=int(model_config.get_num_layers(llm.vllm_config.parallel_config)),
+            block_size=int(cache.block_size),
+            num_kv_heads=int(model_config.get_total_num_kv_heads()),
+            head_dim=int(model_config.get_head_size()),
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            device="cpu" if llm.vllm_config.device_config.device_type == "cpu" else "cuda",
+        )
+        del hf
+        self._tokenizer = tokenizer
+        self._tracked: dict[str, _Tracked] = {}
+        # A finished prefill-only request -> (vLLM's id for it, blocks it holds)
+        self._held: dict[str, tuple[str, int]] = {}
+        self._recent_steps: deque[StepStats] = deque(maxlen=_RECENT_STEPS)
+        self._recent_output_lens: deque[int] = deque(maxlen=_RECENT_OUTPUT_LENS)
+        self._num_prompt_tokens_computed = 0
+
+    # -- the scheduler we read telemetry from ------------------------------------------
+    @property
+    def _scheduler(self) -> Any:
+        return self._llm.engine_core.engine_core.scheduler
+
+    # -- Engine protocol -----------------------------------------------------------------
+    @property
+    def model_info(self) -> _ModelInfo:
+        return self._info
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    @property
+    def kv_storage(self) -> Any:
+        raise EngineError("the vllm backend moves its own KV; it exposes no pool to kvtransfer")
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue ``request``; with ``request.remote_kv`` (a prefill worker's handle
+        payload) it continues a request whose prompt KV vLLM's connector pulls."""
+        request.sampling.validate()
+        remote_kv = request.remote_kv
+        prior = request.output_token_ids
+        if remote_kv is not None and not prior:
+            raise InvalidRequestError("a continuation needs the token the prefill produced")
+        # A continuation leaves its last token out: vLLM samples it again from the pulled KV.
+        drop_first = remote_kv is not None
+        known = prior[:-1] if drop_first else prior
+        tokens = [*request.prompt_token_ids, *known]
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if len(tokens) >= self._info.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt ({len(tokens)} tokens) leaves no room to generate within the "
+                f"model's context length ({self._info.max_model_len})",
+                "prompt",
+            )
+        if request.request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        params = self._sampling(request.sampling, len(known), len(tokens), request.prefill_only)
+        if request.prefill_only:
+            params.extra_args = {"kv_transfer_params": _remote_decode_params()}
+        elif remote_kv is not None:
+            params.extra_args = {"kv_transfer_params": dict(remote_kv)}
+        try:
+            internal_id = self._llm.add_request(
+                request.request_id, {"prompt_token_ids": tokens}, params
+            )
+        except ValueError as e:  # vLLM's own validation
+            raise InvalidRequestError(str(e)) from e
+        self._tracked[request.request_id] = _Tracked(
+            request, str(internal_id), len(known), drop_first
+        )
+
+    def _sampling(
+        self, s: SamplingParams, num_known: int, num_tokens: int, prefill_only: bool
+    ) -> Any:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        remaining = s.max_tokens - num_known
+        if remaining <= 0:
+            raise InvalidRequestError("max_tokens already reached", "max_tokens")
+        remaining = min(remaining, self._info.max_model_len - num_tokens)
+        max_tokens = 1 if prefill_only else remaining
+        return VllmSamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            min_tokens=0 if prefill_only else max(0, min(s.min_tokens - num_known, max_tokens)),
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0,
+            min_p=s.min_p,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        scheduler = self._scheduler
+        before = {r.request_id: r.num_computed_tokens for r in scheduler.running}
+        prompt_lens = {r.request_id: r.num_prompt_tokens for r in scheduler.running}
+        for r in scheduler.waiting:
+            before.setdefault(r.request_id, r.num_computed_tokens)
+            prompt_lens.setdefault(r.request_id, r.num_prompt_tokens)
+        started = time.monotonic()
+        outputs = self._llm.step()
+        ended = time.monotonic()
+        self._record_step(started, ended, before, prompt_lens)
+        results: list[RequestOutput] = []
+        for out in outputs:
+            converted = self._convert(out)
+            if converted is not None:
+                results.append(converted)
+        self._forget_released()
+        return results
+
+    def _record_step(
+        self, started: float, ended: float, before: dict[str, int], prompt_lens: dict[str, int]
+    ) -> None:
+        prefill_tokens = 0
+        decode_seqs = 0
+        context = 0
+        for r in self._scheduler.running:
+            now = r.num_computed_tokens
+            context += now
+            was = before.get(r.request_id, 0)
+            if now <= was:
+                continue
+            if was < prompt_lens.get(r.request_id, r.num_prompt_tokens):
+                prefill_tokens += now - was
+            else:
+                decode_seqs += 1
+        self._num_prompt_tokens_computed += prefill_tokens
+        if prefill_tokens or decode_seqs:
+            self._recent_steps.append(
+                StepStats(ended - started, prefill_tokens, decode_seqs, context, ended)
+            )
+
+    def _convert(self, out: Any) -> RequestOutput | None:
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None or not out.outputs:
+            return None
+        completion = out.outputs[0]
+        token_ids = tuple(int(t) for t in completion.token_ids)
+        logprobs = _logprobs(completion.logprobs, token_ids) if completion.logprobs else None
+        text = str(completion.text)
+        if tracked.drop_first and tracked.num_generated == 0 and token_ids:
+            streamed = tracked.request.output_token_ids[-1]
+            if token_ids[0] != streamed:
+                log.warning(
+                    "request %s: the decoder sampled %d where the prefill worker streamed %d",
+                    out.request_id,
+                    token_ids[0],
+                    streamed,
+                )
+            tracked.num_generated = 1  # the token the prefill worker streamed already
+            token_ids = token_ids[1:]
+            logprobs = logprobs[1:] if logprobs is not None else None
+            text = self.decode(token_ids) if token_ids else ""
+        tracked.num_generated += len(token_ids)
+        finish = _FINISH.get(completion.finish_reason) if out.finished else None
+        if out.finished and finish is None:
+            finish = FinishReason.STOP
+        remote_kv = None
+        request = tracked.request
+        if out.finished and request.prefill_only and out.kv_transfer_params:
+            finish = FinishReason.PREFILLED
+            remote_kv = dict(out.kv_transfer_params)
+            num_blocks = math.ceil(
+                (len(request.prompt_token_ids) + tracked.num_prior_outputs)
+                / self._layout.block_size
+            )
+            self._held[request.request_id] = (tracked.internal_id, num_blocks)
+        if out.finished:
+            tracked.finished = True
+            del self._tracked[request.request_id]
+            if finish is not FinishReason.PREFILLED:
+                self._recent_output_lens.append(tracked.num_prior_outputs + tracked.num_generated)
+        if not token_ids and finish is None:
+            return None
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finish_reason=finish,
+            logprobs=logprobs,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=tracked.num_prior_outputs + tracked.num_generated,
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+            remote_kv=remote_kv,
+        )
+
+    def _forget_released(self) -> None:
+        """Prefill holds that vLLM has let go (pulled, rejected or expired)."""
+        if not self._held:
+            return
+        alive = self._scheduler.requests
+        for request_id, (internal_id, _) in list(self._held.items()):
+            if internal_id not in alive:
+                del self._held[request_id]
+
+    def abort(self, request_id: str) -> None:
+        if self._tracked.pop(request_id, None) is not None:
+            self._llm.abort_request([request_id])
+        # A finished prefill's hold is vLLM's to free: on the decoder's pull or
+        # rejection notification, else when its lease runs out.
+
+    def has_unfinished(self) -> bool:
+        return bool(self._llm.has_unfinished_requests())
+
+    def holds_blocks(self) -> bool:
+        """Finished prefills still hold blocks for a decoder. vLLM expires their
+        leases only while it is stepped, so the worker loop keeps stepping."""
+        self._forget_released()
+        return bool(self._held)
+
+    def stats(self) -> EngineStats:
+        scheduler = self._scheduler
+        self._forget_released()
+        pool = scheduler.kv_cache_manager.block_pool
+        total = int(pool.num_gpu_blocks) - 1  # block 0 is vLLM's null block
+        running = tuple(
+            RunningRequestStats(
+                request_id=r.request_id,
+                num_tokens_held=int(r.num_computed_tokens),
+                num_generated=int(r.num_output_tokens) + self._prior(r.request_id),
+                max_tokens=int(r.max_tokens) + self._prior(r.request_id),
+            )
+            for r in scheduler.running
+        )
+        return EngineStats(
+            block_size=self._layout.block_size,
+            num_total_blocks=total,
+            num_free_blocks=int(pool.get_num_free_blocks()),
+            num_cached_blocks=0,
+            num_held_blocks=sum(n for _, n in self._held.values()),
+            running=running,
+            waiting_prompt_lens=tuple(int(r.num_prompt_tokens) for r in scheduler.waiting),
+            recent_steps=tuple(self._recent_steps),
+            recent_output_lens=tuple(self._recent_output_lens),
+            num_preemptions=sum(int(r.num_preemptions) for r in scheduler.requests.values()),
+            num_prefix_hit_tokens=0,
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+        )
+
+    def _prior(self, request_id: str) -> int:
+        tracked = self._tracked.get(request_id)
+        return tracked.num_prior_outputs if tracked is not None else 0
+
+    def release_held(self, request_id: str) -> None:
+        """vLLM frees held prefill blocks itself (pull, rejection or lease)."""
+
+    def adopt(self, request: EngineRequest) -> list[int]:
+        raise EngineError("the vllm backend continues requests with add_request(remote_kv=...)")
+
+    def start_adopted(self, request_id: str) -> None:
+        raise EngineError("the vllm backend continues requests with add_request(remote_kv=...)")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        text: str = self._tokenizer.decode(list(token_ids))
+        return text
+
+
+def _remote_decode_params() -> dict[str, Any]:
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+def _logprobs(
+    entries: Sequence[Mapping[int, Any]], token_ids: Sequence[int]
+) -> tuple[TokenLogprob, ...]:
+    result = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        chosen = entry.get(token_id)
+        top = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1])
+        result.append(
+            TokenLogprob(
+                token_id=token_id,
+                logprob=float(chosen.logprob) if chosen is not None else float("-inf"),
+                top=tuple(top),
+            )
+        )
+    return tuple(result)
+
+
+def make_vllm_engine(
+    model_cfg: ModelConfig,
+    engine_cfg: EngineConfig,
+    admission: AdmissionPolicy | None = None,
+    *,
+    kv_lease_s: float | None = None,
+) -> VllmEngine:
+    """Start vLLM on ``model_cfg.name`` (a local folder).
+
+    ``kv_lease_s`` set: this worker takes part in P/D; vLLM's NixlConnector is
+    enabled (role ``kv_both``, so the worker can flip between prefill and decode)
+    with that lease on held prefill blocks. ``admission`` is the embedded engine's
+    hook; vLLM admits by its own scheduler.
+    """
+    del admission
+    if not os.path.isdir(model_cfg.name):
+        raise ModelLoadError(
+            f"the vllm backend loads a local model folder; {model_cfg.name!r} is not one "
+            "(the built-in 'tiny' model is the embedded engine's)"
+        )
+    options = dict(engine_cfg.vllm)
+    check_vllm_options(options)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    on_cpu = engine_cfg.device == "cpu" or (
+        engine_cfg.device == "auto" and not torch.cuda.is_available()
+    )
+    args: dict[str, Any] = {
+        "dtype": model_cfg.dtype,
+        "max_model_len": engine_cfg.max_model_len,
+        "max_num_seqs": engine_cfg.max_num_seqs,
+        "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
+        "enable_prefix_caching": engine_cfg.enable_prefix_caching,
+    }  # block size: vLLM's default for the platform (CPU attention needs a multiple of 32)
+    if on_cpu:
+        args["kv_cache_memory_bytes"] = engine_cfg.kv_cache_bytes
+    args.update(options)
+    if kv_lease_s is not None:
+        from vllm.config import KVTransferConfig
+
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = advertised_host()
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
+        args["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_both",
+            kv_buffer_device="cpu" if on_cpu else "cuda",
+            kv_connector_extra_config={"kv_lease_duration": max(1, math.ceil(kv_lease_s))},
+            # A pull that fails (the prefill worker died after its first token):
+            # the decoder computes the prompt itself; greedy text is unchanged.
+            kv_load_failure_policy="recompute",
+        )
+    name = model_cfg.served_model_name or model_cfg.name
+    engine_args = EngineArgs(model=model_cfg.name, seed=model_cfg.seed, **args)
+    try:
+        llm = LLMEngine.from_engine_args(engine_args)
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"vLLM could not start on {model_cfg.name!r}: {e}") from e
+    return VllmEngine(llm, name, peer_kv=kv_lease_s is not None)

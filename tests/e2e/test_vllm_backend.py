@@ -1,0 +1,224 @@
+"""Baton over vLLM (its CPU build), for real: colocated and 1P+1D over vLLM's NixlConnector,
+driven through the official ``openai`` client, against vLLM's own ``LLM.generate``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import AsyncOpenAI
+
+from services.workers.messages import WorkerSnapshot
+from tests.support.cluster import real_service, tiny_config
+from tests.support.server import ServedGateway
+from tests.support.vllm import build_vllm_checkpoint
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.vllm]
+
+LEASE_S = 2.0
+# 16 prompts of token ids (the word tokenizer's ids 3..95), lengths 6..141, budgets 8..38.
+PROMPTS = [[3 + (i * 7 + j * 13) % 93 for j in range(6 + (i * 37) % 136)] for i in range(16)]
+MAX_TOKENS = [8 + (i * 11) % 31 for i in range(16)]
+
+
+def _vllm_config(folder: Path, **overrides: object) -> object:
+    return tiny_config(
+        **{
+            "model.name": str(folder),
+            "model.served_model_name": "m",
+            "model.dtype": "float32",
+            "engine.backend": "vllm",
+            "engine.vllm": {"enforce_eager": True},
+            "engine.max_model_len": 512,
+            "kvtransfer.lease_s": LEASE_S,
+            **overrides,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vllm_checkpoint(tmp_path_factory.mktemp("vllm-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path, ray_cluster: str) -> list[tuple[str, list[int]]]:
+    """vLLM's own offline engine on the same prompts (in a process of its own)."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_calls=1)
+    def generate(
+        folder: str, prompts: list[list[int]], budgets: list[int]
+    ) -> list[tuple[str, list[int]]]:
+        import os
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(
+            model=folder,
+            dtype="float32",
+            enforce_eager=True,
+            seed=0,
+            max_model_len=512,
+            kv_cache_memory_bytes=8 * 2**20,
+        )
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
+
+    ref: list[tuple[str, list[int]]] = ray.get(
+        generate.remote(str(checkpoint), PROMPTS, MAX_TOKENS), timeout=300
+    )
+    return ref
+
+
+@pytest.fixture(scope="module")
+def expected(reference: list[tuple[str, list[int]]]) -> list[str]:
+    return [text for text, _ in reference]
+
+
+@pytest.fixture(scope="module")
+def colocated(checkpoint: Path, ray_cluster: str) -> Iterator[ServedGateway]:
+    config = _vllm_config(
+        checkpoint, **{"workers.mode": "colocated", "workers.prefill": 1, "workers.decode": 0}
+    )
+    with ServedGateway(real_service(config, ray=True)) as server:  # type: ignore[arg-type]
+        yield server
+
+
+@pytest.fixture(scope="module")
+def disaggregated(checkpoint: Path, ray_cluster: str) -> Iterator[ServedGateway]:
+    config = _vllm_config(checkpoint, **{"workers.prefill": 1, "workers.decode": 1})
+    with ServedGateway(real_service(config, ray=True, replace_dead=True)) as server:  # type: ignore[arg-type]
+        yield server
+
+
+def _snapshots(server: ServedGateway) -> dict[str, WorkerSnapshot]:
+    async def fresh() -> dict[str, WorkerSnapshot]:
+        out = {}
+        for worker_id in server.svc.controller.workers():
+            client = server.svc.controller.client(worker_id)
+            assert client is not None
+            out[worker_id] = await client.snapshot()
+        return out
+
+    return server.call(fresh())
+
+
+async def _stream_all(base_url: str) -> list[str]:
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(prompt: list[int], max_tokens: int) -> str:
+        stream = await client.completions.create(
+            model="m",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    try:
+        return await asyncio.gather(*(one(p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)))
+    finally:
+        await client.close()
+
+
+def _wait_until_idle(server: ServedGateway, within_s: float) -> dict[str, WorkerSnapshot]:
+    deadline = time.monotonic() + within_s
+    while True:
+        snaps = _snapshots(server)
+        if all(s.num_held_blocks == 0 and s.num_used_blocks == 0 for s in snaps.values()):
+            return snaps
+        assert time.monotonic() < deadline, {
+            w: (s.num_held_blocks, s.num_used_blocks) for w, s in snaps.items()
+        }
+        time.sleep(0.1)
+
+
+def test_colocated_text_equals_vllm_generate(colocated: ServedGateway, expected: list[str]) -> None:
+    assert len(set(expected)) == len(expected)  # the prompts really give different texts
+    assert asyncio.run(_stream_all(colocated.base_url)) == expected
+
+
+def test_prefill_decode_over_nixl_equals_vllm_generate(
+    disaggregated: ServedGateway, expected: list[str]
+) -> None:
+    held_on_decode: list[int] = []
+
+    async def run() -> list[str]:
+        texts = asyncio.ensure_future(_stream_all(disaggregated.base_url))
+        client = disaggregated.svc.controller.client("decode-0")
+        assert client is not None
+        while not texts.done():  # the decoder's telemetry shows the pulled requests' tokens
+            snap = await client.snapshot()
+            held_on_decode.extend(r.num_tokens_held for r in snap.running)
+            await asyncio.sleep(0.02)
+        return await texts
+
+    assert asyncio.run(run()) == expected
+    assert max(held_on_decode, default=0) > 100  # a long prompt's KV, held after the pull
+    snaps = _wait_until_idle(disaggregated, LEASE_S + 3)
+    assert snaps["prefill-0"].num_finished_requests >= 16
+    assert snaps["decode-0"].num_finished_requests >= 16
+    assert disaggregated.svc.metrics.transfer_bytes.labels("nixl")._value.get() > 0
+
+
+def test_hang_up_after_the_first_token_frees_the_prefill_blocks_within_the_lease(
+    disaggregated: ServedGateway,
+) -> None:
+    """The client leaves after the prefill's token, before any decoder pulls: the
+    prefill worker holds the prompt's blocks, and vLLM's lease (kvtransfer.lease_s,
+    handed to its NixlConnector as kv_lease_duration) frees them."""
+    from services.engine.messages import SamplingParams
+
+    sampling = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+    async def hang_up() -> None:
+        stream = disaggregated.svc.generate("hang-up", tuple(PROMPTS[5]), sampling, 0.0)
+        async for _ in stream:
+            break
+        await stream.aclose()  # what a client disconnect does to the request's generator
+
+    _wait_until_idle(disaggregated, LEASE_S + 3)
+    disaggregated.call(hang_up())
+    hung_up_s = time.monotonic()
+    held = _snapshots(disaggregated)["prefill-0"].num_held_blocks
+    assert held >= 1  # nobody pulled: the prompt's blocks wait for a decoder
+    _wait_until_idle(disaggregated, LEASE_S + 3)
+    assert time.monotonic() - hung_up_s >= LEASE_S - 0.5  # freed by the lease, not before
+
+
+def test_prefill_worker_killed_after_the_first_token_still_gives_the_same_text(
+    disaggregated: ServedGateway, reference: list[tuple[str, list[int]]]
+) -> None:
+    """Kill the prefill worker as its first token arrives, before the decoder pulls:
+    the decoder's pull fails and it computes the prompt itself; one stream, same tokens."""
+    import ray
+
+    from services.engine.messages import SamplingParams
+
+    index = 9
+    sampling = SamplingParams(max_tokens=MAX_TOKENS[index], temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[int], set[str]]:
+        tokens: list[int] = []
+        workers: set[str] = set()
+        prompt = tuple(PROMPTS[index])
+        async for delta in disaggregated.svc.generate("kill-prefill", prompt, sampling, 0.0):
+            if not tokens:
+                client = disaggregated.svc.controller.client(delta.worker_id)
+                assert delta.worker_id.startswith("prefill") and client is not None
+                ray.kill(client.actor, no_restart=True)  # type: ignore[attr-defined]
+            tokens.extend(delta.token_ids)
+            workers.add(delta.worker_id)
+        return tokens, workers
+
+    tokens, workers = disaggregated.call(run(), timeout_s=120)
+    assert tokens == reference[index][1]
+    assert any(w.startswith("decode") for w in workers)
