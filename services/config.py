@@ -68,7 +68,13 @@ class WorkersConfig(_Section):
     mixed: int = Field(0, ge=0)
     encode: int = Field(0, ge=0)
     num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float | None = Field(None, ge=0, description="None: 1 on CUDA machines, 0 otherwise")
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per worker; None: tensor_parallel_size on GPU clusters, else 0"
+    )
+    gpus_per_role: dict[Literal["prefill", "decode", "mixed", "encode"], float] = Field(
+        default_factory=dict,
+        description="GPUs per worker by role (the Helm chart sets it from its worker groups)",
+    )
     telemetry_interval_s: float = Field(0.1, gt=0, le=1.0)
 
     @model_validator(mode="after")

@@ -22,4 +22,5 @@ class RayLauncher:
     def __call__(self, spec: WorkerSpec) -> WorkerClient:
         from services.workers.actor import launch_ray_worker
 
-        return launch_ray_worker(spec, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+        num_gpus = self.num_gpus if spec.num_gpus is None else spec.num_gpus
+        return launch_ray_worker(spec, num_cpus=self.num_cpus, num_gpus=num_gpus)

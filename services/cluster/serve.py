@@ -91,18 +91,19 @@ async def serve(
 
     from services.gateway.app import create_app
 
-    num_gpus = _num_gpus(config)
+    local_gpus = _local_gpus(config)
     if ray_address:
         ray.init(address=ray_address, log_to_driver=log_level == "debug", namespace="baton")
     elif not ray.is_initialized():
         ray.init(
             num_cpus=_ray_cpus(config),
-            num_gpus=None if num_gpus else 0,
+            num_gpus=None if local_gpus else 0,
             include_dashboard=False,
             log_to_driver=log_level == "debug",
             namespace="baton",
         )
-    svc = _build_service(config, num_gpus)
+    cluster_has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    svc = _build_service(config, cluster_has_gpus)
     app = create_app(svc)
     server = _server_class()(
         uvicorn.Config(
@@ -142,18 +143,18 @@ def _server_class() -> Any:
     return Server
 
 
-def _build_service(config: ClusterConfig, num_gpus: float) -> Any:
+def _build_service(config: ClusterConfig, cluster_has_gpus: bool) -> Any:
     from services.cluster.factories import factories_for
     from services.cluster.launchers import RayLauncher
     from services.cluster.specs import worker_specs
     from services.engine.loader import load_tokenizer
     from services.gateway.service import GatewayService, GatewaySettings
 
-    specs = worker_specs(config, *factories_for(config))
+    specs = worker_specs(config, *factories_for(config), cluster_has_gpus=cluster_has_gpus)
     settings = GatewaySettings(
         config.gateway, config.router, config.model, config.kvtransfer.backend
     )
-    launcher = RayLauncher(num_cpus=config.workers.num_cpus, num_gpus=num_gpus)
+    launcher = RayLauncher(num_cpus=config.workers.num_cpus, num_gpus=0.0)
     return GatewayService(settings, load_tokenizer(config.model.name), specs, launcher)
 
 
@@ -186,14 +187,13 @@ def check_backend_options(config: ClusterConfig) -> None:
         )
 
 
-def _num_gpus(config: ClusterConfig) -> float:
-    if config.workers.num_gpus is not None:
-        return config.workers.num_gpus
+def _local_gpus(config: ClusterConfig) -> bool:
+    """Whether a Ray started here should offer this machine's GPUs."""
     if config.engine.device == "cpu":
-        return 0.0
+        return False
     import torch
 
-    return 1.0 if torch.cuda.is_available() else 0.0
+    return bool(torch.cuda.is_available())
 
 
 def _ray_cpus(config: ClusterConfig) -> int:

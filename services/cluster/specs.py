@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kvtransfer.connector import KVConnector
 from router.types import Role
 from services.backends.protocol import Engine
+from services.cluster.resources import gpus_per_worker
 from services.config import ClusterConfig
 from services.workers.worker import WorkerSpec
 
@@ -20,8 +21,12 @@ def worker_specs(
     config: ClusterConfig,
     engine_factory: Callable[[], Engine],
     connector_factory: Callable[[str], KVConnector] | None,
+    *,
+    cluster_has_gpus: bool = False,
 ) -> list[WorkerSpec]:
-    """One spec per worker; in colocated mode every worker is ``mixed`` and has no connector."""
+    """One spec per worker; in colocated mode every worker is ``mixed`` and has no connector.
+
+    Each spec carries the GPUs its actor asks for (``resources.gpus_per_worker``)."""
     w = config.workers
     if w.encode:
         log.warning("encode workers are not implemented yet; ignoring workers.encode=%d", w.encode)
@@ -38,6 +43,7 @@ def worker_specs(
             connector_factory=connector_factory,
             telemetry_interval_s=w.telemetry_interval_s,
             max_num_seqs=config.engine.max_num_seqs,
+            num_gpus=gpus_per_worker(config, role, cluster_has_gpus=cluster_has_gpus),
         )
         for role, count in roles
         for i in range(count)

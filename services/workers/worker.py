@@ -46,6 +46,7 @@ class WorkerSpec:
     connector_factory: Callable[[str], KVConnector] | None = None
     telemetry_interval_s: float = 0.1
     max_num_seqs: int = 256
+    num_gpus: float | None = None  # GPUs the worker's actor asks Ray for (None: the launcher's)
 
 
 class Worker:

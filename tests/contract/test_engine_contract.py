@@ -2,9 +2,21 @@
 
 Adding an implementation to the contract is one line in ``BACKENDS_UNDER_TEST``
 (it must also be registered in ``services.backends.BACKENDS``).
+
+``vllm`` runs for real (its CPU build): two engines, each in a Ray actor of its own
+(vLLM's in-process engine owns process-wide state), shared by the module; P/D between
+them goes over vLLM's NixlConnector. Engines that move their own KV (``moves_own_kv``)
+hand a prefill's ``remote_kv`` to the decoder instead of adopt + a Baton pull.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,21 +34,44 @@ from services.engine.messages import (
 
 BACKENDS_UNDER_TEST = [
     "embedded",
+    "fake",
+    pytest.param("vllm", marks=[pytest.mark.ray, pytest.mark.vllm]),
 ]
 
 BLOCK_SIZE = 4
+LEASE_S = 2.0
+CONFIG = EngineConfig(
+    device="cpu", block_size=BLOCK_SIZE, kv_cache_bytes=2**20, max_model_len=64, num_threads=1
+)
+
+Build = Callable[[], Engine]
 
 
-def build(backend: str) -> Engine:
-    cfg = EngineConfig(
-        device="cpu", block_size=BLOCK_SIZE, kv_cache_bytes=2**20, max_model_len=64, num_threads=1
-    )
-    return make_engine(backend, ModelConfig(name="tiny", seed=0), cfg)
+@pytest.fixture(scope="module")
+def vllm_engines(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:
+    from tests.support.vllm import RemoteEngine, build_vllm_checkpoint
+
+    folder: Path = build_vllm_checkpoint(tmp_path_factory.mktemp("contract-vllm"))
+    model = ModelConfig(name=str(folder), dtype="float32", seed=0)
+    cfg = CONFIG.model_copy(update={"kv_cache_bytes": 4 * 2**20, "vllm": {"enforce_eager": True}})
+    engines = [RemoteEngine("vllm", model, cfg, kv_lease_s=LEASE_S) for _ in range(2)]
+    yield engines
+    for e in engines:
+        e.close()
 
 
 @pytest.fixture(params=BACKENDS_UNDER_TEST)
-def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+def build(request: pytest.FixtureRequest) -> Build:
+    """build() -> an engine; vllm hands out its two shared engines in turn."""
+    backend = str(request.param)
+    if backend == "vllm":
+        shared = itertools.cycle(request.getfixturevalue("vllm_engines"))
+        return lambda: next(shared)
+    return lambda: make_engine(backend, ModelConfig(name="tiny", seed=0), CONFIG)
+
+
+def moves_own_kv(engine: Engine) -> bool:
+    return bool(getattr(engine, "moves_own_kv", False))
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -61,16 +96,18 @@ def prompt_of(engine: Engine, text: str = "The quick brown fox") -> tuple[int, .
     return tuple(engine.encode(text))
 
 
-def test_is_an_engine(backend: str) -> None:
-    engine = build(backend)
+def test_is_an_engine(build: Build) -> None:
+    engine = build()
     assert isinstance(engine, Engine)
     info = engine.model_info
     assert info.max_model_len <= 64 and info.vocab_size > 0
-    assert engine.kv_layout.block_size == BLOCK_SIZE
+    # vLLM picks its platform's block size (CPU attention: a multiple of 32)
+    expected = 128 if moves_own_kv(engine) else BLOCK_SIZE
+    assert engine.kv_layout.block_size == engine.stats().block_size == expected
 
 
-def test_runs_to_max_tokens_with_deltas(backend: str) -> None:
-    engine = build(backend)
+def test_runs_to_max_tokens_with_deltas(build: Build) -> None:
+    engine = build()
     p = prompt_of(engine)
     engine.add_request(EngineRequest("a", p, greedy(7)))
     outs = run(engine)["a"]
@@ -80,24 +117,27 @@ def test_runs_to_max_tokens_with_deltas(backend: str) -> None:
     assert outs[-1].finish_reason is FinishReason.LENGTH
     assert all(o.num_prompt_tokens == len(p) for o in outs)
     assert engine.stats().recent_output_lens[-1] == 7
-    # Text deltas add up to the decoded tokens.
-    assert "".join(o.new_text for o in outs) == engine.decode(tokens(outs))
+    text = "".join(o.new_text for o in outs)
+    if getattr(engine, "emits_text", True):  # text deltas add up to the decoded tokens
+        assert text == engine.decode(tokens(outs))
+    else:  # the gateway owns text
+        assert text == ""
 
 
-def test_greedy_is_deterministic_across_engines_and_batches(backend: str) -> None:
+def test_greedy_is_deterministic_across_engines_and_batches(build: Build) -> None:
     p = (5, 6, 7, 8, 9, 10)
-    one = build(backend)
+    one = build()
     one.add_request(EngineRequest("a", p, greedy(9)))
     alone = tokens(run(one)["a"])
-    many = build(backend)
+    many = build()
     for i in range(4):
         many.add_request(EngineRequest(f"o{i}", (20 + i,) * (3 + 4 * i), greedy(5)))
     many.add_request(EngineRequest("a", p, greedy(9)))
     assert tokens(run(many)["a"]) == alone
 
 
-def test_bad_input_raises_and_others_continue(backend: str) -> None:
-    engine = build(backend)
+def test_bad_input_raises_and_others_continue(build: Build) -> None:
+    engine = build()
     engine.add_request(EngineRequest("ok", (5, 6, 7), greedy(3)))
     for bad in (
         EngineRequest("b1", (), greedy(3)),
@@ -110,8 +150,8 @@ def test_bad_input_raises_and_others_continue(backend: str) -> None:
     assert set(outs) == {"ok"} and len(tokens(outs["ok"])) == 3
 
 
-def test_abort_frees_everything(backend: str) -> None:
-    engine = build(backend)
+def test_abort_frees_everything(build: Build) -> None:
+    engine = build()
     total = engine.stats().num_total_blocks
     engine.add_request(EngineRequest("a", (5, 6, 7, 8, 9), greedy(30)))
     engine.step()
@@ -122,39 +162,58 @@ def test_abort_frees_everything(backend: str) -> None:
     engine.abort("never-seen")  # harmless
 
 
-def test_prefill_only_holds_blocks_until_released(backend: str) -> None:
-    engine = build(backend)
+def test_prefill_only_holds_blocks_until_released(build: Build) -> None:
+    engine = build()
     p = prompt_of(engine)
     engine.add_request(EngineRequest("p", p, greedy(10), prefill_only=True))
     (out,) = run(engine)["p"]
     assert out.finish_reason is FinishReason.PREFILLED and len(out.new_token_ids) == 1
+    block_size = engine.kv_layout.block_size
+    if moves_own_kv(engine):
+        # The engine's own transfer parameters, no Baton block list; held until a
+        # decoder pulls or the lease runs out (released by the engine itself).
+        assert out.held_kv is None and out.remote_kv is not None
+        assert engine.stats().num_held_blocks == math.ceil(len(p) / block_size)
+        held_s = time.monotonic()
+        while engine.stats().num_held_blocks:
+            assert time.monotonic() - held_s < LEASE_S + 3, "the lease never freed the hold"
+            engine.step()  # what the worker loop does while the engine holds blocks
+            time.sleep(0.05)
+        assert time.monotonic() - held_s >= LEASE_S - 0.5
+        return
     assert out.held_kv is not None and out.held_kv.num_tokens == len(p)
-    assert len(out.held_kv.block_ids) == -(-len(p) // BLOCK_SIZE)
+    assert len(out.held_kv.block_ids) == -(-len(p) // block_size)
     assert engine.stats().num_held_blocks == len(out.held_kv.block_ids)
     engine.release_held("p")
     assert engine.stats().num_held_blocks == 0
 
 
-def test_adopted_request_continues_as_if_colocated(backend: str) -> None:
-    colocated = build(backend)
-    p = prompt_of(colocated)
+def test_adopted_request_continues_as_if_colocated(build: Build) -> None:
+    colocated = build()
+    p = prompt_of(colocated, "hello world the cat sat on the mat")
     colocated.add_request(EngineRequest("x", p, greedy(6)))
     expected = tokens(run(colocated)["x"])
 
-    prefill, decode = build(backend), build(backend)
-    prefill.add_request(EngineRequest("x", p, greedy(6), prefill_only=True))
-    (first,) = run(prefill)["x"]
-    assert first.held_kv is not None
-    ids = decode.adopt(EngineRequest("x", p, greedy(6), output_token_ids=first.new_token_ids))
-    src = torch.as_tensor(list(first.held_kv.block_ids))
-    decode.kv_storage[torch.as_tensor(ids)] = prefill.kv_storage[src]
-    prefill.release_held("x")
-    decode.start_adopted("x")
-    rest = run(decode)["x"]
+    prefill, decode = build(), build()
+    assert prefill is not decode
+    prefill.add_request(EngineRequest("x2", p, greedy(6), prefill_only=True))
+    (first,) = run(prefill)["x2"]
+    continued = EngineRequest("x2", p, greedy(6), output_token_ids=first.new_token_ids)
+    if moves_own_kv(decode):
+        assert first.remote_kv is not None
+        decode.add_request(replace(continued, remote_kv=first.remote_kv))
+    else:
+        assert first.held_kv is not None
+        ids = decode.adopt(continued)
+        src = torch.as_tensor(list(first.held_kv.block_ids))
+        decode.kv_storage[torch.as_tensor(ids)] = prefill.kv_storage[src]
+        prefill.release_held("x2")
+        decode.start_adopted("x2")
+    rest = run(decode)["x2"]
     assert [*first.new_token_ids, *tokens(rest)] == expected
     assert rest[-1].num_output_tokens == 6
 
 
-def test_encode_decode_round_trip(backend: str) -> None:
-    engine = build(backend)
+def test_encode_decode_round_trip(build: Build) -> None:
+    engine = build()
     assert engine.decode(engine.encode("hello world")) == "hello world"

@@ -60,7 +60,7 @@ def _engine_host() -> Any:
             return getattr(self.engine, method)(*args)
 
         def get(self, attribute: str) -> Any:
-            return getattr(self.engine, attribute)
+            return getattr(self.engine, attribute, None)
 
     return EngineHost
 
@@ -81,6 +81,7 @@ class RemoteEngine:
         self._ray = ray
         self._actor = _engine_host().remote(backend, model, engine, kv_lease_s)
         self.moves_own_kv = bool(ray.get(self._actor.get.remote("moves_own_kv")))
+        self.emits_text = ray.get(self._actor.get.remote("emits_text")) is not False
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._ray.get(self._actor.call.remote(method, *args), timeout=120)
@@ -95,7 +96,7 @@ class RemoteEngine:
 
     @property
     def kv_storage(self) -> Any:
-        raise NotImplementedError("a remote engine's KV pool stays in its process")
+        return None  # a remote engine's KV stays in its process
 
     def add_request(self, request: Any) -> None:
         self._call("add_request", request)
@@ -111,6 +112,9 @@ class RemoteEngine:
 
     def stats(self) -> Any:
         return self._call("stats")
+
+    def holds_blocks(self) -> bool:
+        return bool(self._call("holds_blocks"))
 
     def release_held(self, request_id: str) -> None:
         self._call("release_held", request_id)

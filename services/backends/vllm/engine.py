@@ -117,6 +117,9 @@ class VllmEngine:
 
     # The worker loop hands KV movement to the engine (vLLM's connector), not kvtransfer.
     moves_own_kv = True
+    # Tokens only: the gateway detokenizes and checks stop strings (one owner for
+    # text), so vLLM is asked for no text and no stop-string matching.
+    emits_text = False
 
     def __init__(self, llm: Any, name: str, *, peer_kv: bool) -> None:
         self._llm = llm
@@ -165,7 +168,8 @@ class VllmEngine:
 
     @property
     def kv_storage(self) -> Any:
-        raise EngineError("the vllm backend moves its own KV; it exposes no pool to kvtransfer")
+        """None: vLLM moves its own KV; there is no pool for a kvtransfer connector."""
+        return None
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue ``request``; with ``request.remote_kv`` (a prefill worker's handle
@@ -226,12 +230,11 @@ class VllmEngine:
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
             seed=s.seed,
-            stop=list(s.stop) or None,
             stop_token_ids=list(s.stop_token_ids) or None,
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs,
-            include_stop_str_in_output=s.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -282,7 +285,6 @@ class VllmEngine:
         completion = out.outputs[0]
         token_ids = tuple(int(t) for t in completion.token_ids)
         logprobs = _logprobs(completion.logprobs, token_ids) if completion.logprobs else None
-        text = str(completion.text)
         if tracked.drop_first and tracked.num_generated == 0 and token_ids:
             streamed = tracked.request.output_token_ids[-1]
             if token_ids[0] != streamed:
@@ -295,7 +297,6 @@ class VllmEngine:
             tracked.num_generated = 1  # the token the prefill worker streamed already
             token_ids = token_ids[1:]
             logprobs = logprobs[1:] if logprobs is not None else None
-            text = self.decode(token_ids) if token_ids else ""
         tracked.num_generated += len(token_ids)
         finish = _FINISH.get(completion.finish_reason) if out.finished else None
         if out.finished and finish is None:
@@ -320,7 +321,7 @@ class VllmEngine:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
-            new_text=text,
+            new_text="",
             finish_reason=finish,
             logprobs=logprobs,
             num_prompt_tokens=len(request.prompt_token_ids),

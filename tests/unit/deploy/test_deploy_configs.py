@@ -49,3 +49,27 @@ def test_gpu_2p2d_is_two_prefill_two_decode_on_vllm_with_nixl() -> None:
 def test_epd_has_encode_prefill_and_decode_workers() -> None:
     workers = load_config(REPO / "deploy" / "configs" / "epd.yaml").workers
     assert min(workers.encode, workers.prefill, workers.decode) >= 1
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_names_an_existing_backend(path: Path) -> None:
+    from services.backends import BACKENDS
+
+    assert load_config(path).engine.backend in BACKENDS
+
+
+def test_unknown_vllm_engine_arguments_are_refused_by_name() -> None:
+    from services.cluster.serve import check_backend_options
+
+    config = ClusterConfig().with_overrides(
+        {"engine.backend": "vllm", "engine.vllm": {"enforce_eager": True, "max_batch_sizee": 8}}
+    )
+    with pytest.raises(ValueError, match="max_batch_sizee"):
+        check_backend_options(config)
+    reserved = config.with_overrides({"engine.vllm": {"model": "/elsewhere"}})
+    with pytest.raises(ValueError, match="model"):
+        check_backend_options(reserved)
+    check_backend_options(config.with_overrides({"engine.vllm": {"enforce_eager": True}}))
+    embedded = ClusterConfig().with_overrides({"engine.vllm": {"enforce_eager": True}})
+    with pytest.raises(ValueError, match="engine.backend"):
+        check_backend_options(embedded)

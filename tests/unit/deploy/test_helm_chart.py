@@ -448,3 +448,54 @@ def test_a_pvc_model_source_mounts_the_claim_read_only(
         volume = next(v for v in pod.spec["volumes"] if v["name"] == "model")
         assert volume["persistentVolumeClaim"] == {"claimName": "llama-weights", "readOnly": True}
         assert "initContainers" not in pod.spec
+
+
+def _rendered_config(docs: list[dict[str, Any]]) -> ClusterConfig:
+    config_map = one(docs, "ConfigMap")
+    return ClusterConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_every_value_set_names_an_existing_backend(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    from services.backends import BACKENDS
+
+    assert _rendered_config(_docs(rendered_sets, name)).engine.backend in BACKENDS
+
+
+@pytest.mark.parametrize(("gpus", "tensor_parallel"), [(1, None), (2, 2)])
+def test_gpu_groups_give_each_worker_actor_its_gpus(
+    gpus: int, tensor_parallel: int | None, render_fn: Any
+) -> None:
+    """The chart's worker groups, through the rule `baton serve` launches actors with
+    (the head that runs it has no GPU), give every prefill and decode actor its GPUs."""
+    from router.types import Role
+    from services.cluster.resources import gpus_per_worker
+    from services.cluster.specs import worker_specs
+
+    vllm = {"tensor_parallel_size": tensor_parallel} if tensor_parallel else {}
+    values = {
+        "config": {"engine": {"backend": "vllm", "device": "cuda", "vllm": vllm}},
+        "prefill": {"gpus": gpus},
+        "decode": {"gpus": gpus},
+    }
+    config = _rendered_config(render_fn(values))
+    specs = worker_specs(config, lambda: None, None, cluster_has_gpus=False)  # type: ignore[arg-type,return-value]
+    assert {s.role for s in specs} == {Role.PREFILL, Role.DECODE}
+    assert all(s.num_gpus == gpus for s in specs)
+    if tensor_parallel:  # a group too small for the engine is refused before any actor starts
+        narrow = config.model_copy(
+            update={"workers": config.workers.model_copy(update={"gpus_per_role": {"prefill": 1}})}
+        )
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            gpus_per_worker(narrow, Role.PREFILL, cluster_has_gpus=True)
+
+
+def test_cpu_worker_groups_ask_for_no_gpus(render_fn: Any) -> None:
+    from router.types import Role
+    from services.cluster.resources import gpus_per_worker
+
+    values = {"prefill": {"gpus": 0}, "decode": {"gpus": 0}}
+    config = _rendered_config(render_fn(values))
+    assert gpus_per_worker(config, Role.DECODE, cluster_has_gpus=True) == 0
