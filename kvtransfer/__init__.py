@@ -78,7 +78,7 @@ def make_connector(
     **options: Any,
 ) -> KVConnector:
     """Build a connector. ``options`` go to the backend (e.g. ``host=`` for ``torch``,
-    the address it advertises and binds to; default 127.0.0.1)."""
+    the address it advertises and binds to; default this node's routable address)."""
     try:
         module_name, class_name = _BACKENDS[backend]
     except KeyError:

@@ -33,6 +33,7 @@ import torch
 
 from kvtransfer.connector import KVTransferError, ReleaseCallback, UnknownHandleError
 from kvtransfer.leases import LeaseTable
+from kvtransfer.net import advertised_host
 from kvtransfer.regions import (
     Region,
     check_block_ids,
@@ -109,12 +110,14 @@ class TorchConnector:
         lease_s: float = 30.0,
         transfer_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
-        host: str = "127.0.0.1",
+        host: str | None = None,
     ) -> None:
         self.agent_name = agent_name or f"torch-{uuid.uuid4().hex[:12]}"
         self.lease_s = lease_s
         self.transfer_timeout_s = transfer_timeout_s
-        self.host = host  # advertised in peer_info; every socket binds to it
+        # Advertised in peer_info; every socket binds to it. Default: this node's
+        # routable address, so a puller on another node can reach it.
+        self.host = host or advertised_host()
         self._clock = clock
         self._regions: dict[str, Region] = {}
         self._leases = LeaseTable(clock)

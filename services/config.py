@@ -69,7 +69,9 @@ class WorkersConfig(_Section):
     encode: int = Field(0, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float | None = Field(
-        None, ge=0, description="GPUs per worker; None: tensor_parallel_size on GPU clusters, else 0"
+        None,
+        ge=0,
+        description="GPUs per worker; None: tensor_parallel_size on GPU clusters, else 0",
     )
     gpus_per_role: dict[Literal["prefill", "decode", "mixed", "encode"], float] = Field(
         default_factory=dict,

@@ -44,6 +44,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 
+from kvtransfer.net import advertised_host
 from kvtransfer.types import KVLayout
 from services.backends.protocol import AdmissionPolicy
 from services.backends.vllm.options import check_vllm_options
@@ -62,27 +63,13 @@ from services.engine.messages import (
     TokenLogprob,
 )
 
-__all__ = ["VllmEngine", "advertised_host", "make_vllm_engine"]
+__all__ = ["VllmEngine", "make_vllm_engine"]
 
 log = logging.getLogger(__name__)
 
 _RECENT_STEPS = 64
 _RECENT_OUTPUT_LENS = 256
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-
-
-def advertised_host() -> str:
-    """The address peers on other nodes reach this process at (not 127.0.0.1 unless alone)."""
-    configured = os.environ.get("BATON_NODE_IP") or os.environ.get("POD_IP")
-    if configured:
-        return configured
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet is sent: this picks the route's source
-            host: str = s.getsockname()[0]
-            return host
-    except OSError:
-        return "127.0.0.1"
 
 
 def _free_port() -> int:

@@ -71,5 +71,5 @@ def test_unknown_vllm_engine_arguments_are_refused_by_name() -> None:
         check_backend_options(reserved)
     check_backend_options(config.with_overrides({"engine.vllm": {"enforce_eager": True}}))
     embedded = ClusterConfig().with_overrides({"engine.vllm": {"enforce_eager": True}})
-    with pytest.raises(ValueError, match="engine.backend"):
+    with pytest.raises(ValueError, match=r"engine\.backend"):
         check_backend_options(embedded)

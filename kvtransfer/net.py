@@ -1,0 +1,23 @@
+"""The address a worker advertises to peers on other nodes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = ["advertised_host"]
+
+
+def advertised_host() -> str:
+    """``BATON_NODE_IP`` or ``POD_IP`` when set (Kubernetes), else the address of the
+    interface that routes off this machine; 127.0.0.1 only when there is none."""
+    configured = os.environ.get("BATON_NODE_IP") or os.environ.get("POD_IP")
+    if configured:
+        return configured
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # UDP connect sends nothing: it picks a route
+            host: str = s.getsockname()[0]
+            return host
+    except OSError:
+        return "127.0.0.1"
