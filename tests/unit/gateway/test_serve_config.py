@@ -51,3 +51,17 @@ def test_api_key_from_flag_or_environment() -> None:
 def test_invalid_combination_is_refused() -> None:
     with pytest.raises(ValueError, match="prefill and one decode"):
         build_config(parse("--mode", "disaggregated", "--prefill", "0"), {})
+
+
+def test_backend_flag_selects_the_engine_and_vllm_workers_get_no_kvtransfer_connector() -> None:
+    from services.cluster.factories import factories_for
+
+    config = build_config(parse("--backend", "vllm", "--model", "/models/x"), environ={})
+    assert config.engine.backend == "vllm"
+    engine, connector = factories_for(config)
+    assert connector is None  # vLLM moves its own KV
+    assert engine.kv_lease_s == config.kvtransfer.lease_s
+    colocated = config.with_overrides({"workers.mode": "colocated"})
+    assert factories_for(colocated)[0].kv_lease_s is None
+    embedded_engine, embedded_connector = factories_for(build_config(parse(), environ={}))
+    assert embedded_connector is not None and embedded_engine.kv_lease_s is None

@@ -1,0 +1,180 @@
+"""Baton over vLLM against vLLM's own API server: same model, same workload, one run.
+
+    python benchmarks/vllm_backend.py [--eager] [--threads 2] [--num-requests 64]
+
+Builds a ~100M random Llama (hidden 768, 12 layers, 12/4 heads, float32) in a temp
+folder, then, one server at a time on this machine:
+
+1. vLLM's OpenAI API server (``python -m vllm.entrypoints.openai.api_server``),
+2. ``baton serve --backend vllm`` with one colocated worker,
+3. ``baton serve --backend vllm`` with 1 prefill + 1 decode worker (vLLM's NixlConnector),
+
+each loaded by ``baton bench`` (completions, closed loop). Prints one JSON object per
+line (throughput in output tokens/s, TTFT and TPOT in ms), then a summary line with
+Baton's ratios against the vLLM server of the same run. Targets: colocated output
+throughput >= 0.9x vLLM's, p50 TTFT within vLLM's + 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import save_llama_100m  # benchmarks/engine.py
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before serving")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not ready within {timeout_s:.0f} s")
+
+
+def bench(base_url: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "services.cli", "bench",
+        "--base-url", base_url,
+        "--endpoint", "completions",
+        "--tokenizer", str(folder),
+        "--input-len", str(args.input_len),
+        "--output-len", str(args.output_len),
+        "--concurrency", str(args.concurrency),
+        "--num-requests", str(args.num_requests),
+        "--json",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    summary: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return summary
+
+
+def run_server(
+    label: str, cmd: list[str], port: int, folder: Path, args: argparse.Namespace, log: Path
+) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        try:
+            start_s = wait_ready(f"http://127.0.0.1:{port}", proc, args.start_timeout)
+            summary = bench(f"http://127.0.0.1:{port}", folder, args)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return {"server": label, "startup_s": round(start_s, 1), **_pick(summary)}
+
+
+def _pick(summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "output_tokens_per_s": round(summary["output_throughput"], 2),
+        "requests_per_s": round(summary["request_throughput"], 3),
+        "ttft_p50_ms": round(summary["median_ttft_ms"], 1),
+        "tpot_p50_ms": round(summary["median_tpot_ms"], 1),
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for each engine")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="no torch.compile (starts in ~40 s)")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--skip-pd", action="store_true", help="leave out 1P+1D")
+    args = p.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="baton-vllm-bench-"))
+    folder = work / "llama-100m"
+    save_llama_100m(folder)
+    common = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": args.eager}
+    rows: list[dict[str, Any]] = []
+
+    port = free_port()
+    vllm_cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(folder), "--port", str(port), "--dtype", "float32",
+        "--max-model-len", "1024", "--seed", "0",
+    ] + (["--enforce-eager"] if args.eager else [])  # fmt: skip
+    rows.append(run_server("vllm api_server", vllm_cmd, port, folder, args, work / "vllm.log"))
+    print(json.dumps(rows[-1]), flush=True)
+
+    config = work / "baton.yaml"
+    layouts = [("baton colocated", "colocated", 1, 0)]
+    if not args.skip_pd:
+        layouts.append(("baton 1P+1D nixl", "disaggregated", 1, 1))
+    for label, mode, prefill, decode in layouts:
+        config.write_text(
+            json.dumps(
+                {
+                    "engine": {
+                        "backend": "vllm",
+                        "device": "cpu",
+                        "max_model_len": 1024,
+                        "kv_cache_bytes": 2**30,
+                        "vllm": common,
+                    },
+                    "router": {"policy": "round_robin"},
+                }
+            )
+        )
+        port = free_port()
+        cmd = [
+            sys.executable, "-m", "services.cli", "serve", "--config", str(config),
+            "--model", str(folder), "--dtype", "float32", "--port", str(port),
+            "--mode", mode, "--prefill", str(prefill), "--decode", str(decode),
+            "--log-level", "warning",
+        ]  # fmt: skip
+        log = work / f"{label.replace(' ', '_')}.log"
+        rows.append(run_server(label, cmd, port, folder, args, log))
+        print(json.dumps(rows[-1]), flush=True)
+
+    base, colocated = rows[0], rows[1]
+    summary = {
+        "summary": "baton over vllm vs vllm api_server (same run)",
+        "threads": args.threads,
+        "torch_compile": not args.eager,
+        "throughput_ratio": round(
+            colocated["output_tokens_per_s"] / base["output_tokens_per_s"], 3
+        ),
+        "throughput_target": 0.9,
+        "ttft_p50_delta_ms": round(colocated["ttft_p50_ms"] - base["ttft_p50_ms"], 1),
+        "ttft_target_delta_ms": 10,
+        "logs": str(work),
+    }
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
