@@ -124,6 +124,11 @@ class HFTokenizer:
         return len(self._tok)
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped ``transformers`` tokenizer (grammar compilers read its vocabulary)."""
+        return self._tok
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
 
