@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from router.types import SLO, Priority
 from services.engine.messages import InvalidRequestError, SamplingParams
 from services.gateway.errors import BadRequest
+from services.gateway.fields import logit_bias, structured_output
 from services.gateway.openai_format import Endpoint, Formatter
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.service import GatewayService
@@ -67,6 +68,8 @@ def _sampling(
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        structured=structured_output(body),
+        logit_bias=logit_bias(body),
     )
     try:
         params.validate()

@@ -1,7 +1,9 @@
 """The OpenAI request bodies we accept (pydantic: the HTTP edge only).
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Range checks live
-here so FastAPI reports them; our handler turns them into 400s naming the field.
+Unknown top-level fields are kept aside (``model_extra``) so that
+``services.gateway.fields`` can refuse the ones that would change the output and
+name the rest in a warning; nested objects ignore unknown fields. Range checks
+live here so FastAPI reports them; our handler turns them into 400s naming the field.
 
 Two fields are ours, not OpenAI's: ``slo`` (per-request latency targets, each
 falling back to ``router.default_slo``) and ``priority`` (``batch`` requests are
@@ -19,8 +21,11 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "ContentPart",
+    "JsonSchemaFormat",
     "LatencyTargets",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputsRequest",
 ]
 
 
@@ -63,8 +68,40 @@ class LatencyTargets(_Body):
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Body):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint kind."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool | None = None  # unset: compact JSON (Baton's default)
+
+
 class _Sampling(_Body):
     """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="allow")  # see services.gateway.fields
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -82,7 +119,14 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
+    # Metadata: accepted, changes nothing about the output.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     slo: LatencyTargets | None = Field(None, description="Baton: latency targets")
     priority: Literal["interactive", "batch"] = Field(
         "interactive", description="Baton: batch requests are shed first under load"
