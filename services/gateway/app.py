@@ -93,7 +93,7 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         ready()
         if body.has_images():
             raise BadRequest("this model does not accept images", "messages")
-        prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages())
+        prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages(), body.template_tools())
         return await respond(svc, prepare_chat(svc, body, prompt), request)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])

@@ -52,9 +52,8 @@ def check_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
     for name in _UNIMPLEMENTED:
         if name in extra and not _asks_for_nothing(name, extra[name]):
             raise BadRequest(f"{name} is not supported by this server", name)
-    tools, tool_choice = extra.get("tools"), extra.get("tool_choice")
-    if tools and tool_choice != "none":
-        raise BadRequest("tool calling is not supported by this server yet", "tools")
+    if isinstance(body, CompletionRequest) and extra.get("tools"):
+        raise BadRequest("tools need the chat completions endpoint", "tools")
     modalities = extra.get("modalities")
     if modalities not in (None, ["text"]):
         raise BadRequest("only the text modality is supported", "modalities")

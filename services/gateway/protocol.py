@@ -12,6 +12,7 @@ shed first under load).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +27,8 @@ __all__ = [
     "ResponseFormat",
     "StreamOptions",
     "StructuredOutputsRequest",
+    "Tool",
+    "ToolCall",
 ]
 
 
@@ -48,10 +51,57 @@ class ContentPart(_Body):
     image_url: ImageURL | None = None
 
 
+class FunctionCall(_Body):
+    name: str = Field(max_length=256)
+    arguments: str = Field(max_length=256 * 1024)  # a JSON string, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str = Field("", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1, max_length=128)
+
+
+class AllowedToolsChoice(_Body):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class LatencyTargets(_Body):
@@ -147,6 +197,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for a chat template (text parts joined)."""
@@ -155,11 +208,39 @@ class ChatCompletionRequest(_Sampling):
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text or "" for p in content if p.type != "image_url")
-            out.append({"role": m.role, "content": content or ""})
+            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.tool_calls:
+                # Templates receive arguments as dicts, as vLLM passes them.
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": _arguments(c)},
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
         return out
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (none when ``tool_choice`` is ``none``)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def has_images(self) -> bool:
         return any(
             isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
             for m in self.messages
         )
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments  # a template may still show it; we do not guess

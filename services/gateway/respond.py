@@ -22,6 +22,7 @@ from services.gateway.errors import APIError, Overloaded
 from services.gateway.openai_format import DONE, LogprobsAcc, sse, usage
 from services.gateway.prepare import Generation
 from services.gateway.service import GatewayService
+from services.gateway.tools import ToolCallStream, forced_calls
 from services.workers.messages import TokenDelta
 
 __all__ = ["respond"]
@@ -199,9 +200,17 @@ async def _collect(
             texts[i] = gen.echo_texts[c.prompt_index] + texts[i]
     _count(svc, "success", n)
     num_completion = sum(t.num_output_tokens for t in timers)
+    calls: list[list[dict[str, Any]] | None] = [None] * n
+    mode = gen.tool_mode
+    if mode is not None and mode.forced:
+        for i in range(n):
+            parsed = forced_calls(mode, texts[i]) if finish[i] == "stop" else []
+            if parsed:
+                calls[i], finish[i] = parsed, mode.finish_reason
     body = gen.formatter.response(
         [(texts[i], finish[i], accs[i].render() if gen.logprobs else None) for i in range(n)],
         usage(gen.num_prompt_tokens, num_completion),
+        calls,
     )
     return JSONResponse(body)
 
@@ -216,6 +225,8 @@ async def _stream_body(
     fmt = gen.formatter
     n = len(gen.choices)
     timers = [_ChoiceMetrics(svc, arrival_s) for _ in range(n)]
+    mode = gen.tool_mode
+    tool_streams = [ToolCallStream(mode) for _ in range(n)] if mode and mode.forced else None
     outcome = "aborted"
     try:
         for c in gen.choices:
@@ -234,13 +245,22 @@ async def _stream_body(
                 acc.add(svc.tokenizer, d.logprobs)
                 logprobs = acc.render()
             finish = d.finish_reason.value if d.finish_reason is not None else None
+            text, tool_calls = d.text, None
+            if tool_streams is not None:  # forced calls: the text is the calls
+                tool_calls = tool_streams[i].feed(text)
+                text = ""
+                if finish is not None:
+                    last, finish = tool_streams[i].finish(finish)
+                    tool_calls += last
             # One event per engine delta that carries tokens, even while the detokenizer
             # holds text back (a partial UTF-8 character, a possible stop string): clients
             # time TTFT and inter-token latency per event, as vLLM's harness does.
             if not d.text and not d.token_ids and finish is None and logprobs is None:
                 continue
             usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
-            yield sse(fmt.chunk(i, d.text, finish, logprobs, usage_now=usage_now))
+            yield sse(
+                fmt.chunk(i, text, finish, logprobs, usage_now=usage_now, tool_calls=tool_calls)
+            )
         for i, c in enumerate(gen.choices):
             timers[i].on_finish(len(c.prompt_token_ids))
         if fmt.include_usage:

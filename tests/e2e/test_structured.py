@@ -196,3 +196,117 @@ def test_parse_survives_the_decode_worker_killed_mid_stream(
         got = [f.result(timeout=180) for f in futures]
     assert got == expected
     assert ray_1p1d.svc.metrics.retries.labels("worker_died")._value.get() >= 1
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS: list[Any] = [WEATHER, TIME]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _streamed_calls(client: OpenAI, **kw: Any) -> tuple[list[dict[str, str]], str | None]:
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        choice = chunk.choices[0]
+        assert not choice.delta.content
+        for frag in choice.delta.tool_calls or ():
+            call = calls.setdefault(frag.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += frag.id or ""
+            if frag.function is not None:
+                call["name"] += frag.function.name or ""
+                call["arguments"] += frag.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "finish"),
+    [
+        ("required", "tool_calls"),
+        ({"type": "function", "function": {"name": "get_time"}}, "stop"),
+    ],
+)
+def test_forced_tool_calls_streamed_and_not(
+    split: ServedGateway, tool_choice: Any, finish: str
+) -> None:
+    client = _client(split)
+    for seed in range(3):
+        kw: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"What now? ({seed})"}],
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "temperature": 1.0,
+            "seed": seed,
+            "max_tokens": 300,
+        }
+        whole = client.chat.completions.create(**kw).choices[0]
+        assert whole.finish_reason == finish
+        assert whole.message.content is None and whole.message.tool_calls
+        for call in whole.message.tool_calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+        if isinstance(tool_choice, dict):
+            assert [c.function.name for c in whole.message.tool_calls] == ["get_time"]
+        streamed, stream_finish = _streamed_calls(client, **kw)
+        assert stream_finish == finish
+        assert [(c["name"], c["arguments"]) for c in streamed] == [
+            (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+        ]
+        assert all(c["id"].startswith("call_") for c in streamed)
+
+
+def test_a_tool_call_round_trip_reaches_the_template(split: ServedGateway) -> None:
+    """The history's calls and the tool's answer are in the prompt the model saw."""
+    client = _client(split)
+    messages: list[Any] = [{"role": "user", "content": "Weather in Oslo?"}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=300
+    )
+    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21"},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, temperature=0
+    )
+    calls = first.choices[0].message.tool_calls or []
+    as_templated = [
+        {"function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+        for c in calls
+    ]
+    assistant = {"role": "assistant", "content": "", "tool_calls": as_templated}
+    rendered = split.svc.tokenizer.apply_chat_template(
+        [messages[0], assistant, messages[2]], tools=TOOLS
+    )
+    expected = len(split.svc.tokenizer.encode(rendered, add_special_tokens=False))
+    assert second.usage is not None and second.usage.prompt_tokens == expected
+    assert call.function.name in rendered and "sunny, 21" in rendered and "<tools>" in rendered

@@ -29,7 +29,26 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ({"web_search_options": {"search_context_size": "low"}}, "web_search_options"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"best_of": 3}, "best_of"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools.0.function.name",
+        ),
         ({"logit_bias": {"12": 101}}, "logit_bias"),
         ({"logit_bias": {"twelve": 1}}, "logit_bias"),
         ({"logit_bias": {"-3": 1}}, "logit_bias"),
