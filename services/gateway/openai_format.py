@@ -108,12 +108,15 @@ class Formatter:
         first: bool = False,
         usage_now: dict[str, int] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         choice: dict[str, Any]
         if self.endpoint == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if not first and text:
                 delta["content"] = text
+            if reasoning:
+                delta["reasoning"] = reasoning
             if tool_calls:
                 delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
@@ -145,19 +148,18 @@ class Formatter:
         self,
         choices: Sequence[tuple[str, str | None, dict[str, Any] | None]],
         usage_total: dict[str, int],
-        tool_calls: Sequence[list[dict[str, Any]] | None] = (),
+        messages: Sequence[dict[str, Any] | None] = (),
     ) -> dict[str, Any]:
         """A non-streaming body from (text, finish_reason, logprobs) per choice.
 
-        A chat choice with ``tool_calls`` answers them with ``content: null``.
+        A chat choice's ``messages[i]``, when given, replaces the plain text message
+        (reasoning, tool calls: see shaping.py).
         """
         rendered: list[dict[str, Any]] = []
         for index, (text, finish, logprobs) in enumerate(choices):
             if self.endpoint == "chat":
-                calls = tool_calls[index] if index < len(tool_calls) else None
-                body: dict[str, Any] = {"role": "assistant", "content": text}
-                if calls:
-                    body = {"role": "assistant", "content": None, "tool_calls": calls}
+                shaped = messages[index] if index < len(messages) else None
+                body = shaped or {"role": "assistant", "content": text}
                 rendered.append(
                     {
                         "index": index,

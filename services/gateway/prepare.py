@@ -19,6 +19,7 @@ from services.gateway.fields import logit_bias, structured_output
 from services.gateway.openai_format import Endpoint, Formatter
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.service import GatewayService
+from services.gateway.shaping import ShapeSpec
 from services.gateway.tools import ToolMode, tool_constraint, tool_mode
 
 __all__ = ["Choice", "Generation", "prepare_chat", "prepare_completion"]
@@ -43,7 +44,7 @@ class Generation:
     continuous_usage: bool
     logprobs: bool
     echo_texts: tuple[str, ...] = ()
-    tool_mode: ToolMode | None = None  # chat with tools (not tool_choice none)
+    shape: ShapeSpec = field(default_factory=ShapeSpec)  # chat: reasoning, tool calls
     slo: SLO = field(default_factory=SLO)  # as asked; the service fills in the defaults
     priority: Priority = Priority.INTERACTIVE
 
@@ -117,6 +118,7 @@ def _generation(
     logprobs: int | None,
     prompt_param: str,
     tools: ToolMode | None = None,
+    shape: ShapeSpec | None = None,
 ) -> Generation:
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     response_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -149,7 +151,7 @@ def _generation(
         stream=body.stream,
         continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
         logprobs=logprobs is not None,
-        tool_mode=tools,
+        shape=shape or ShapeSpec(),
         slo=_slo(body),
         priority=Priority(body.priority),
     )
@@ -171,7 +173,9 @@ def prepare_chat(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     tools = tool_mode(body)
-    return _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages", tools)
+    gw = svc.settings.gateway
+    shape = ShapeSpec(tools, gw.reasoning_parser, gw.tool_call_parser, body.include_reasoning)
+    return _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages", tools, shape)
 
 
 def prepare_completion(

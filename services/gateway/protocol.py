@@ -200,6 +200,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for a chat template (text parts joined)."""

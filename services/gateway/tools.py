@@ -26,7 +26,14 @@ from services.engine.messages import StructuredOutput
 from services.gateway.errors import BadRequest
 from services.gateway.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 
-__all__ = ["ToolCallStream", "ToolMode", "forced_calls", "tool_constraint", "tool_mode"]
+__all__ = [
+    "ToolCallStream",
+    "ToolMode",
+    "forced_calls",
+    "new_call_id",
+    "tool_constraint",
+    "tool_mode",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +106,7 @@ def tool_constraint(mode: ToolMode) -> StructuredOutput | None:
     return StructuredOutput("json", json.dumps(schema), param="tools")
 
 
-def _call_id() -> str:
+def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -117,7 +124,7 @@ def forced_calls(mode: ToolMode, text: str) -> list[dict[str, Any]]:
             for c in calls
         ]
     return [
-        {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+        {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
         for name, args in pairs
     ]
 
@@ -129,7 +136,7 @@ class ToolCallStream:
     mode: ToolMode
     _text: str = ""
     _started: bool = False
-    _call_id: str = field(default_factory=_call_id)
+    _call_id: str = field(default_factory=new_call_id)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self.mode.kind != "named":
