@@ -13,6 +13,9 @@ from services.gateway.parsers import (
     Parsed,
     split_output,
 )
+from services.gateway.protocol import Tool
+from services.gateway.shaping import ChoiceShaper, ShapeSpec
+from services.gateway.tools import ToolMode
 
 HERMES = (
     'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
@@ -92,3 +95,55 @@ def test_every_split_gives_the_whole_texts_answer(
 def test_arguments_are_json_strings() -> None:
     out = split_output(_parser(None, "hermes"), HERMES)
     assert [json.loads(args) for _, args in out.calls] == [{"city": "Oslo"}, {"zone": 2}]
+
+
+def _auto_mode() -> ToolMode:
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    return ToolMode("auto", (tool,))
+
+
+def _streamed(
+    spec: ShapeSpec, pieces: list[str]
+) -> tuple[str, str, list[tuple[str, str]], str | None]:
+    shaper = ChoiceShaper(spec)
+    content = reasoning = ""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for k, piece in enumerate(pieces):
+        d = shaper.delta(piece, "stop" if k == len(pieces) - 1 else None)
+        content += d.content
+        reasoning += d.reasoning
+        for frag in d.tool_calls:
+            call = calls.setdefault(frag["index"], ["", ""])
+            call[0] += frag["function"].get("name", "")
+            call[1] += frag["function"]["arguments"]
+            assert ("id" in frag) == ("name" in frag["function"])  # id and name come first
+        finish = d.finish_reason
+    return content, reasoning, [(n, a) for n, a in (calls[i] for i in sorted(calls))], finish
+
+
+@pytest.mark.parametrize(
+    ("parser", "reasoning", "text"),
+    [
+        ("hermes", None, HERMES),
+        ("llama3_json", None, LLAMA),
+        ("hermes", "deepseek_r1", "think first</think>" + HERMES),
+        ("hermes", None, "plain text, no calls"),
+    ],
+)
+def test_auto_mode_streams_the_same_calls_and_content_as_the_whole_answer(
+    parser: str, reasoning: str | None, text: str
+) -> None:
+    spec = ShapeSpec(_auto_mode(), reasoning, parser)
+    message, finish = ChoiceShaper(spec).whole(text, "stop")
+    whole_calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])
+    ]
+    assert finish == ("tool_calls" if whole_calls else "stop")
+    raw = text.encode()
+    for cut in range(1, len(raw)):
+        head = raw[:cut].decode(errors="ignore")
+        got = _streamed(spec, [head, text[len(head) :]])
+        assert got == (message["content"] or "", message.get("reasoning", ""), whole_calls, finish)
+    hidden = ShapeSpec(_auto_mode(), reasoning, parser, include_reasoning=False)
+    assert "reasoning" not in ChoiceShaper(hidden).whole(text, "stop")[0]
