@@ -8,7 +8,7 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.4,torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-gateway bench-policies clean
+.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-gateway bench-policies bench-structured clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,7 +34,7 @@ test: lint typecheck pytest
 serve: venv
 	$(VENV)/bin/baton serve --config deploy/configs/local.yaml
 
-bench: bench-engine bench-kv bench-router bench-gateway bench-policies
+bench: bench-engine bench-kv bench-router bench-gateway bench-policies bench-structured
 
 bench-engine: venv
 	$(PY) benchmarks/engine.py
@@ -47,6 +47,9 @@ bench-router: venv
 
 bench-gateway: venv
 	$(PY) benchmarks/gateway.py
+
+bench-structured: venv
+	$(PY) benchmarks/structured.py
 
 bench-policies: venv
 	$(PY) benchmarks/policies.py
