@@ -55,7 +55,10 @@ class FakeTokenizer:
         return "".join(chr(t) for t in token_ids if t != _EOS)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")

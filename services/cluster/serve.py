@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-backend", choices=["nixl", "torch", "local"])
     parser.add_argument("--policy", help="router policy (round_robin, slo_goodput, ...)")
     parser.add_argument("--api-key", help="require this bearer key (default: $BATON_API_KEY)")
+    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"])
+    parser.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"])
     parser.add_argument("--worker-cpus", type=float, help="Ray CPUs per worker")
     parser.add_argument("--ray-address", help="join this Ray cluster (default: $RAY_ADDRESS)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
@@ -57,6 +59,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
             "gateway.host": args.host,
             "gateway.port": args.port,
             "gateway.api_key": args.api_key or environ.get("BATON_API_KEY") or None,
+            "gateway.tool_call_parser": args.tool_call_parser,
+            "gateway.reasoning_parser": args.reasoning_parser,
             "workers.prefill": args.prefill,
             "workers.decode": args.decode,
             "workers.mode": args.mode,

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from kvtransfer.types import KVLayout
 from services.backends.protocol import AdmissionFeedback, AdmissionPolicy
 from services.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.grammar import GrammarCompiler, apply_grammar_masks
 from services.engine.kv_cache import BlockManager, allocate_kv_pool
 from services.engine.loader import LoadedModel
 from services.engine.messages import (
@@ -96,6 +98,7 @@ class LLMEngine:
         eos = tuple(loaded.tokenizer.eos_token_ids) or args.eos_token_ids
         self._info = EngineModelInfo(loaded.name, max_model_len, args.vocab_size, eos)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(loaded.tokenizer, args.vocab_size, eos)
         self.generator = torch.Generator(device=loaded.device).manual_seed(seed)
         self._requests: dict[str, Request] = {}
         self._adopting: dict[str, Request] = {}
@@ -197,6 +200,9 @@ class LLMEngine:
             hidden = hidden.index_select(0, rows)
         # else every row samples (rows ascend, so they are 0..T-1 in order): a pure decode step.
         logits = self.model.compute_logits(hidden)
+        logits = apply_grammar_masks(
+            logits, [r.grammar for r in inputs.sample_requests], self._info.vocab_size
+        )
         result = self.sampler.sample(
             logits,
             [r.sampling for r in inputs.sample_requests],
@@ -210,7 +216,10 @@ class LLMEngine:
     def _append_token(self, r: Request, token_id: int, lp: TokenLogprob | None) -> RequestOutput:
         r.append_output(token_id)
         text, stop_str_hit = r.detokenizer.add(token_id)
-        reason = self._finish_reason(r, token_id, stop_str_hit)
+        grammar_done = r.grammar is not None and _grammar_ends(r.grammar, token_id)
+        reason = (
+            FinishReason.STOP if grammar_done else self._finish_reason(r, token_id, stop_str_hit)
+        )
         held: HeldKV | None = None
         if reason is not None:
             if reason is not FinishReason.PREFILLED and not stop_str_hit:
@@ -278,6 +287,8 @@ class LLMEngine:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
         if any(not 0 <= t < vocab for t in message.sampling.stop_token_ids):
             raise InvalidRequestError(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
+        if any(not 0 <= t < vocab for t, _ in message.sampling.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         num_tokens = len(prompt) + len(message.output_token_ids)
         if num_tokens >= self._info.max_model_len:
             raise InvalidRequestError(
@@ -290,6 +301,9 @@ class LLMEngine:
                 "max_tokens already reached by the given outputs", "max_tokens"
             )
         r = Request.from_message(message)
+        if r.sampling.structured is not None:
+            # Replaying the committed outputs puts the matcher where the last worker left it.
+            r.grammar = self.grammars.matcher(r.sampling.structured, r.output_token_ids)
         r.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             r.prompt_token_ids,
@@ -327,3 +341,9 @@ class LLMEngine:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+
+def _grammar_ends(matcher: Any, token_id: int) -> bool:
+    """Advance the request's grammar; True once it is complete (or cannot go on)."""
+    # The mask only lets allowed tokens through, so a refusal means every token was masked.
+    return not matcher.accept_token(token_id) or bool(matcher.is_terminated())

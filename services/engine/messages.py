@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvtransfer.types import KVLayout
 
@@ -21,6 +21,7 @@ __all__ = [
     "RunningRequestStats",
     "SamplingParams",
     "StepStats",
+    "StructuredOutput",
     "TokenLogprob",
     "UnsupportedModelError",
 ]
@@ -57,6 +58,35 @@ class FinishReason(enum.StrEnum):
     PREFILLED = "prefilled"  # a prefill-only request stopped after its first token
 
 
+# Bounds checked at the door (the gateway calls ``validate``) and again by the engine.
+MAX_GRAMMAR_SPEC_BYTES = 64 * 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output, backend-neutral (vLLM's ``StructuredOutputsParams`` maps 1:1).
+
+    ``spec`` by kind: ``json`` a JSON schema (JSON text), ``json_object`` empty, ``regex``
+    a regular expression, ``choice`` a JSON list of strings, ``grammar`` EBNF,
+    ``structural_tag`` xgrammar's structural-tag JSON. ``param`` is the request field it
+    came from, named in errors (``response_format`` or ``structured_outputs``).
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+    any_whitespace: bool = False  # compact JSON unless asked: a weak model must not wander
+    param: str = "structured_outputs"
+
+    def validate(self) -> None:
+        if len(self.spec.encode()) > MAX_GRAMMAR_SPEC_BYTES:
+            raise InvalidRequestError(
+                f"the {self.kind} constraint is over {MAX_GRAMMAR_SPEC_BYTES} bytes", self.param
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -73,6 +103,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k >= 0: chosen token plus k alternatives
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -103,6 +135,19 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs"
             )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias has over {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias"
+            )
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got "
+                    f"{token_id}: {bias}",
+                    "logit_bias",
+                )
+        if self.structured is not None:
+            self.structured.validate()
 
 
 @dataclass(frozen=True, slots=True)

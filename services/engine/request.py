@@ -33,6 +33,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+    grammar: Any = None  # xgrammar.GrammarMatcher for a constrained request, set by the engine
     all_token_ids: list[int] = field(default_factory=list)  # prompt + outputs, kept in step
 
     def __post_init__(self) -> None:

@@ -2,7 +2,7 @@
 
 Per row, in order: logprobs of the raw logits (reported, vLLM's default), then
 ``min_tokens`` masking of EOS/stop ids, presence/frequency penalties over the
-output so far (OpenAI semantics), then either argmax (temperature 0) or
+output so far (OpenAI semantics), ``logit_bias`` added, then either argmax (temperature 0) or
 temperature, top-k, top-p, min-p and a draw.
 
 Seeded draws are reproducible anywhere: the noise for a request's output token
@@ -65,6 +65,7 @@ class Sampler:
         logits = logits.clone()
         _mask_until_min_tokens(logits, params, output_token_ids, eos)
         _apply_penalties(logits, params, output_token_ids)
+        _apply_logit_bias(logits, params)
         token_ids = _choose(logits, params, output_token_ids, global_generator)
         logprobs = [
             None
@@ -93,6 +94,7 @@ def _all_plain_greedy(
         and p.presence_penalty == 0
         and p.frequency_penalty == 0
         and len(out) >= p.min_tokens
+        and not p.logit_bias
         for p, out in zip(params, output_token_ids)
     )
 
@@ -133,6 +135,14 @@ def _apply_penalties(
         ids = torch.tensor(list(output_token_ids[i]), dtype=torch.int64, device=logits.device)
         counts = torch.bincount(ids, minlength=vocab)[:vocab].float()
         logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device)
+            logits[i].index_add_(0, ids, bias.to(logits.dtype))
 
 
 def _choose(

@@ -7,6 +7,7 @@ character spans several tokens (which the incremental detokenizer must handle).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +34,10 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str: ...
 
 
@@ -84,12 +88,23 @@ class ByteTokenizer:
         return "".join(parts)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        text = "".join(
-            f"<|im_start|>{m['role']}\n{_content_text(m.get('content'))}<|im_end|>\n"
-            for m in messages
-        )
+        # ChatML, with tools and tool calls the way Qwen's (hermes-style) templates put them.
+        text = ""
+        if tools:
+            listed = "\n".join(json.dumps(t, separators=(",", ":")) for t in tools)
+            text = f"<|im_start|>system\n<tools>\n{listed}\n</tools><|im_end|>\n"
+        for m in messages:
+            body = _content_text(m.get("content"))
+            for call in m.get("tool_calls") or ():
+                fn = call.get("function", {})
+                payload = {"name": fn.get("name"), "arguments": fn.get("arguments")}
+                body += f"<tool_call>\n{json.dumps(payload, separators=(',', ':'))}\n</tool_call>"
+            text += f"<|im_start|>{m['role']}\n{body}<|im_end|>\n"
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
@@ -124,6 +139,11 @@ class HFTokenizer:
         return len(self._tok)
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped ``transformers`` tokenizer (grammar compilers read its vocabulary)."""
+        return self._tok
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
 
@@ -139,12 +159,18 @@ class HFTokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if not self._tok.chat_template:
             raise InvalidRequestError("this model has no chat template", "messages")
         return str(
             self._tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools or None,  # type: ignore[arg-type]
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         )

@@ -29,6 +29,7 @@ from services.gateway.errors import (
     PayloadTooLarge,
     Unauthorized,
 )
+from services.gateway.fields import check_fields
 from services.gateway.prepare import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.respond import respond
@@ -88,15 +89,17 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        check_fields(body)
         ready()
         if body.has_images():
             raise BadRequest("this model does not accept images", "messages")
-        prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages())
+        prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages(), body.template_tools())
         return await respond(svc, prepare_chat(svc, body, prompt), request)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        check_fields(body)
         ready()
         prompts = text_prompt_ids(svc.tokenizer, body.prompt)
         return await respond(svc, prepare_completion(svc, body, prompts), request)

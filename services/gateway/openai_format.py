@@ -38,7 +38,9 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
 def _finish(reason: str | None) -> str | None:
     # The engine's reasons are OpenAI's, except ``abort`` (never sent for a finished
     # request) and ``prefilled`` (internal to disaggregation).
-    return reason if reason in ("stop", "length") else (None if reason is None else "stop")
+    if reason in ("stop", "length", "tool_calls"):
+        return reason
+    return None if reason is None else "stop"
 
 
 @dataclass(slots=True)
@@ -105,12 +107,18 @@ class Formatter:
         *,
         first: bool = False,
         usage_now: dict[str, int] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         choice: dict[str, Any]
         if self.endpoint == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if not first and text:
                 delta["content"] = text
+            if reasoning:
+                delta["reasoning"] = reasoning
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs}
@@ -140,12 +148,18 @@ class Formatter:
         self,
         choices: Sequence[tuple[str, str | None, dict[str, Any] | None]],
         usage_total: dict[str, int],
+        messages: Sequence[dict[str, Any] | None] = (),
     ) -> dict[str, Any]:
-        """A non-streaming body from (text, finish_reason, logprobs) per choice."""
+        """A non-streaming body from (text, finish_reason, logprobs) per choice.
+
+        A chat choice's ``messages[i]``, when given, replaces the plain text message
+        (reasoning, tool calls: see shaping.py).
+        """
         rendered: list[dict[str, Any]] = []
         for index, (text, finish, logprobs) in enumerate(choices):
             if self.endpoint == "chat":
-                body = {"role": "assistant", "content": text}
+                shaped = messages[index] if index < len(messages) else None
+                body = shaped or {"role": "assistant", "content": text}
                 rendered.append(
                     {
                         "index": index,

@@ -13,11 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from router.types import SLO, Priority
-from services.engine.messages import InvalidRequestError, SamplingParams
+from services.engine.messages import InvalidRequestError, SamplingParams, StructuredOutput
 from services.gateway.errors import BadRequest
+from services.gateway.fields import logit_bias, structured_output
 from services.gateway.openai_format import Endpoint, Formatter
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.service import GatewayService
+from services.gateway.shaping import ShapeSpec
+from services.gateway.tools import ToolMode, tool_constraint, tool_mode
 
 __all__ = ["Choice", "Generation", "prepare_chat", "prepare_completion"]
 
@@ -41,6 +44,7 @@ class Generation:
     continuous_usage: bool
     logprobs: bool
     echo_texts: tuple[str, ...] = ()
+    shape: ShapeSpec = field(default_factory=ShapeSpec)  # chat: reasoning, tool calls
     slo: SLO = field(default_factory=SLO)  # as asked; the service fills in the defaults
     priority: Priority = Priority.INTERACTIVE
 
@@ -50,6 +54,7 @@ def _sampling(
     max_tokens: int,
     logprobs: int | None,
     seed_offset: int,
+    structured: StructuredOutput | None,
 ) -> SamplingParams:
     stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
     params = SamplingParams(
@@ -67,6 +72,8 @@ def _sampling(
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        structured=structured,
+        logit_bias=logit_bias(body),
     )
     try:
         params.validate()
@@ -110,15 +117,24 @@ def _generation(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    tools: ToolMode | None = None,
+    shape: ShapeSpec | None = None,
 ) -> Generation:
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     choices: list[Choice] = []
+    structured = structured_output(body)
+    if tools is not None and tools.forced:
+        if structured is not None:
+            raise BadRequest(
+                "a forced tool call cannot also follow a response format", "tool_choice"
+            )
+        structured = tool_constraint(tools)
     for p_index, prompt in enumerate(prompts):
         budget = _check_length(svc, prompt, max_tokens, prompt_param)
         for j in range(body.n):
             index = p_index * body.n + j
-            sampling = _sampling(body, budget, logprobs, j)
+            sampling = _sampling(body, budget, logprobs, j, structured)
             choices.append(Choice(index, p_index, f"{response_id}-{index}", prompt, sampling))
     opts = body.stream_options
     return Generation(
@@ -135,6 +151,7 @@ def _generation(
         stream=body.stream,
         continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
         logprobs=logprobs is not None,
+        shape=shape or ShapeSpec(),
         slo=_slo(body),
         priority=Priority(body.priority),
     )
@@ -155,7 +172,10 @@ def prepare_chat(
 ) -> Generation:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages")
+    tools = tool_mode(body)
+    gw = svc.settings.gateway
+    shape = ShapeSpec(tools, gw.reasoning_parser, gw.tool_call_parser, body.include_reasoning)
+    return _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages", tools, shape)
 
 
 def prepare_completion(

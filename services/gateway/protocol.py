@@ -1,7 +1,9 @@
 """The OpenAI request bodies we accept (pydantic: the HTTP edge only).
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Range checks live
-here so FastAPI reports them; our handler turns them into 400s naming the field.
+Unknown top-level fields are kept aside (``model_extra``) so that
+``services.gateway.fields`` can refuse the ones that would change the output and
+name the rest in a warning; nested objects ignore unknown fields. Range checks
+live here so FastAPI reports them; our handler turns them into 400s naming the field.
 
 Two fields are ours, not OpenAI's: ``slo`` (per-request latency targets, each
 falling back to ``router.default_slo``) and ``priority`` (``batch`` requests are
@@ -10,6 +12,7 @@ shed first under load).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,8 +22,13 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "ContentPart",
+    "JsonSchemaFormat",
     "LatencyTargets",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputsRequest",
+    "Tool",
+    "ToolCall",
 ]
 
 
@@ -43,10 +51,57 @@ class ContentPart(_Body):
     image_url: ImageURL | None = None
 
 
+class FunctionCall(_Body):
+    name: str = Field(max_length=256)
+    arguments: str = Field(max_length=256 * 1024)  # a JSON string, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str = Field("", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1, max_length=128)
+
+
+class AllowedToolsChoice(_Body):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class LatencyTargets(_Body):
@@ -63,8 +118,40 @@ class LatencyTargets(_Body):
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Body):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint kind."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool | None = None  # unset: compact JSON (Baton's default)
+
+
 class _Sampling(_Body):
     """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="allow")  # see services.gateway.fields
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -82,7 +169,14 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
+    # Metadata: accepted, changes nothing about the output.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     slo: LatencyTargets | None = Field(None, description="Baton: latency targets")
     priority: Literal["interactive", "batch"] = Field(
         "interactive", description="Baton: batch requests are shed first under load"
@@ -103,6 +197,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    include_reasoning: bool = True
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for a chat template (text parts joined)."""
@@ -111,11 +209,39 @@ class ChatCompletionRequest(_Sampling):
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text or "" for p in content if p.type != "image_url")
-            out.append({"role": m.role, "content": content or ""})
+            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.tool_calls:
+                # Templates receive arguments as dicts, as vLLM passes them.
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": _arguments(c)},
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
         return out
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (none when ``tool_choice`` is ``none``)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def has_images(self) -> bool:
         return any(
             isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
             for m in self.messages
         )
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments  # a template may still show it; we do not guess

@@ -22,6 +22,7 @@ from services.gateway.errors import APIError, Overloaded
 from services.gateway.openai_format import DONE, LogprobsAcc, sse, usage
 from services.gateway.prepare import Generation
 from services.gateway.service import GatewayService
+from services.gateway.shaping import ChoiceShaper, StreamDelta
 from services.workers.messages import TokenDelta
 
 __all__ = ["respond"]
@@ -199,9 +200,14 @@ async def _collect(
             texts[i] = gen.echo_texts[c.prompt_index] + texts[i]
     _count(svc, "success", n)
     num_completion = sum(t.num_output_tokens for t in timers)
+    messages: list[dict[str, Any] | None] = [None] * n
+    if gen.endpoint == "chat" and not gen.shape.is_plain:
+        for i in range(n):
+            messages[i], finish[i] = ChoiceShaper(gen.shape).whole(texts[i], finish[i])
     body = gen.formatter.response(
         [(texts[i], finish[i], accs[i].render() if gen.logprobs else None) for i in range(n)],
         usage(gen.num_prompt_tokens, num_completion),
+        messages,
     )
     return JSONResponse(body)
 
@@ -216,6 +222,9 @@ async def _stream_body(
     fmt = gen.formatter
     n = len(gen.choices)
     timers = [_ChoiceMetrics(svc, arrival_s) for _ in range(n)]
+    shapers = None
+    if gen.endpoint == "chat" and not gen.shape.is_plain:
+        shapers = [ChoiceShaper(gen.shape) for _ in range(n)]
     outcome = "aborted"
     try:
         for c in gen.choices:
@@ -234,13 +243,26 @@ async def _stream_body(
                 acc.add(svc.tokenizer, d.logprobs)
                 logprobs = acc.render()
             finish = d.finish_reason.value if d.finish_reason is not None else None
+            shaped = StreamDelta(content=d.text, finish_reason=finish)
+            if shapers is not None:  # reasoning, tool calls: split out of the text
+                shaped = shapers[i].delta(d.text, finish)
             # One event per engine delta that carries tokens, even while the detokenizer
             # holds text back (a partial UTF-8 character, a possible stop string): clients
             # time TTFT and inter-token latency per event, as vLLM's harness does.
             if not d.text and not d.token_ids and finish is None and logprobs is None:
                 continue
             usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
-            yield sse(fmt.chunk(i, d.text, finish, logprobs, usage_now=usage_now))
+            yield sse(
+                fmt.chunk(
+                    i,
+                    shaped.content,
+                    shaped.finish_reason,
+                    logprobs,
+                    usage_now=usage_now,
+                    tool_calls=shaped.tool_calls,
+                    reasoning=shaped.reasoning,
+                )
+            )
         for i, c in enumerate(gen.choices):
             timers[i].on_finish(len(c.prompt_token_ids))
         if fmt.include_usage:

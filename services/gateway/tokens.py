@@ -9,9 +9,13 @@ from services.engine.tokenizer import Tokenizer
 __all__ = ["Tokenizer", "chat_prompt_ids", "text_prompt_ids"]
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[int, ...]:
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[int, ...]:
     # The template already places any BOS; encoding must not add a second one.
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     return tuple(tokenizer.encode(rendered, add_special_tokens=False))
 
 
