@@ -222,3 +222,24 @@ def test_prefill_worker_killed_after_the_first_token_still_gives_the_same_text(
     tokens, workers = disaggregated.call(run(), timeout_s=120)
     assert tokens == reference[index][1]
     assert any(w.startswith("decode") for w in workers)
+
+
+def test_structured_outputs_and_logit_bias_reach_vllm(colocated: ServedGateway) -> None:
+    """The backend-neutral constraint and logit_bias are vLLM's own on this backend."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=colocated.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    choices = ["cat", "mat", "hello"]
+    for i in range(4):
+        r = client.completions.create(
+            model="m",
+            prompt=PROMPTS[i],
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"structured_outputs": {"choice": choices}},
+        )
+        assert r.choices[0].text.strip() in choices, r.choices[0].text
+    forced = client.completions.create(
+        model="m", prompt=PROMPTS[0], max_tokens=4, temperature=0.0, logit_bias={"40": 100}
+    )
+    assert forced.choices[0].text.split() == ["w27"] * 4  # id 40 is the word "w27"

@@ -30,6 +30,7 @@ text is unchanged.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -60,6 +61,7 @@ from services.engine.messages import (
     RunningRequestStats,
     SamplingParams,
     StepStats,
+    StructuredOutput,
     TokenLogprob,
 )
 
@@ -222,6 +224,8 @@ class VllmEngine:
             logprobs=s.logprobs,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
+            structured_outputs=_structured(s.structured, num_known),
+            logit_bias=dict(s.logit_bias) or None,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -390,6 +394,33 @@ class VllmEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(list(token_ids))
         return text
+
+
+def _structured(so: StructuredOutput | None, num_known: int) -> Any:
+    """Baton's backend-neutral constraint as vLLM's StructuredOutputsParams.
+
+    vLLM starts a grammar at the first token it generates: a continuation sent as
+    prompt + tokens so far (after a failover) would restart it, so it is refused
+    here rather than produce text outside the grammar.
+    """
+    if so is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if num_known:
+        raise InvalidRequestError(
+            "the vllm backend cannot resume a constrained request mid-output", so.param
+        )
+    match so.kind:
+        case "json":
+            fields: dict[str, Any] = {"json": so.spec}
+        case "json_object":
+            fields = {"json_object": True}
+        case "choice":
+            fields = {"choice": json.loads(so.spec)}
+        case _:
+            fields = {so.kind: so.spec}
+    return StructuredOutputsParams(disable_any_whitespace=not so.any_whitespace, **fields)
 
 
 def _remote_decode_params() -> dict[str, Any]:
