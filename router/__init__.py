@@ -1,10 +1,14 @@
 """Baton's router: pure scheduling (no Ray, HTTP, torch or clock reads).
 
-``make_policy(name, **options).plan(profile, view, now_s) -> Plan | Reject``.
+``Router(RouterSettings.from_config(config))`` is the front door the gateway and the
+simulator drive: ``update(snapshot)``, ``place(profile, now_s) -> Plan | Hold | Reject``,
+``release(request_id)``. Inside it, ``make_policy(name, **options).plan(profile, view,
+now_s) -> Plan | Reject``.
 
 Modules, one idea each:
 
 * ``types``: what the router reads and returns (profiles, views, plans, rejects);
+* ``front_door``: ``Router`` and its frozen ``RouterSettings``;
 * ``policy`` / ``policies``: the registry and ``round_robin``, ``least_loaded``,
   ``prefix_aware``, ``slo_goodput`` (the default);
 * ``cost_model``: profile JSON format, prefill/decode/transfer curves refitted online;
@@ -15,6 +19,7 @@ Modules, one idea each:
 * ``planner`` / ``cli_plan``: P/D pool sizing and role flips; ``baton plan``.
 """
 
+from router.front_door import Hold, Router, RouterSettings
 from router.policy import (
     Policy,
     available_policies,
@@ -39,6 +44,7 @@ from router.types import (
 __all__ = [
     "SLO",
     "ClusterView",
+    "Hold",
     "LengthClass",
     "Plan",
     "Policy",
@@ -46,6 +52,8 @@ __all__ = [
     "Reject",
     "RequestProfile",
     "Role",
+    "Router",
+    "RouterSettings",
     "RunningRequest",
     "StepSample",
     "WorkerView",
