@@ -15,7 +15,6 @@ Modules, one idea each:
 * ``estimator``: the past-future KV peak estimator and the engine's admission rule;
 * ``length``: effective prefill length, short/long classes, per-class queue waits;
 * ``worker_table`` / ``prefix_index``: per-snapshot caches behind ``slo_goodput``;
-* ``reservations``: in-flight reservations the gateway adds to a view;
 * ``planner`` / ``cli_plan``: P/D pool sizing and role flips; ``baton plan``.
 """
 

@@ -136,3 +136,36 @@ def test_a_failover_is_never_refused_for_its_age() -> None:
     old = request("f", arrival_s=0.0)
     assert isinstance(r.place(old, 100.0), Reject)  # 100 s old: its TTFT is lost
     assert isinstance(r.place(old, 100.0, replaced=True), Plan)
+
+
+def test_a_reserved_slot_is_not_given_twice() -> None:
+    # d_tight has one seat left (max_num_seqs 4, 3 running); d_roomy is emptier.
+    r = router()
+    r.mark_dead("d")
+    r.update(replace(snapshot("d_tight", Role.DECODE, running=_busy(3, 3000)), max_num_seqs=4))
+    r.update(snapshot("d_roomy", Role.DECODE, running=_busy(1, 100)))
+    first = r.place(request("a"), 0.0)
+    assert isinstance(first, Plan) and first.decode_worker == "d_tight"  # the fullest
+    roomy = r.view().workers[2]
+    second = r.place(request("b"), 0.0)
+    assert isinstance(second, Plan) and second.decode_worker == "d_roomy"
+    assert r.view().workers[2] is not roomy  # now reserved on
+    r.release("a")
+    third = r.place(request("c"), 0.0)
+    assert isinstance(third, Plan) and third.decode_worker == "d_tight"
+
+
+def test_a_colocated_reservation_lands_once_on_its_host() -> None:
+    r = Router(
+        RouterSettings(profile=PROFILE, default_slo=SLO_DEFAULT, colocate_roles=(Role.MIXED,))
+    )
+    r.update(snapshot("m", Role.MIXED))
+    plan = r.place(request("a", prompt=16), 0.0)
+    assert isinstance(plan, Plan) and plan.colocated
+    (m,) = r.view().workers
+    assert len(m.running) == 1 and sum(m.queued_requests.values()) == 1
+    assert m.num_free_blocks == 1000 - 2  # ceil(17 / 16), taken once
+
+
+def _busy(count: int, held: int) -> tuple[RunningRequest, ...]:
+    return tuple(RunningRequest(held, 0, 1000) for _ in range(count))
