@@ -155,7 +155,7 @@ class _Reservation:
 class _Worker:
     report: WorkerReport
     digest: frozenset[int]
-    view: WorkerView | None = None  # None: rebuild on the next decision
+    view: WorkerView | None = None  # the last one built
 
 
 class Router:
@@ -175,6 +175,10 @@ class Router:
         self._output_lens: deque[int] = deque(maxlen=_OUTPUT_HISTORY)
         self._output_tuple: tuple[int, ...] = ()
         self._view: ClusterView | None = None
+        # The view's workers in order; None: a worker joined or left, rebuild the order.
+        self._slots: list[WorkerView] | None = None
+        self._index: dict[str, int] = {}
+        self._stale: set[str] = set()  # workers whose view must be rebuilt
 
     # -- telemetry ---------------------------------------------------------------------
     def update(self, report: WorkerReport) -> None:
@@ -188,16 +192,19 @@ class Router:
         if known is None:
             digest = frozenset(report.prefix_digest)
             self._workers[wid] = _Worker(report, digest)
+            self._slots = None
         else:
             if known.report.prefix_digest != report.prefix_digest:
                 known.digest = frozenset(report.prefix_digest)
             known.report = report
-            known.view = None
+        self._stale.add(wid)
         self._view = None
 
     def mark_dead(self, worker_id: str) -> None:
         self._dead.add(worker_id)
         if self._workers.pop(worker_id, None) is not None:
+            self._slots = None
+            self._stale.discard(worker_id)
             self._view = None
         for request_id in self._by_worker.pop(worker_id, set()):
             self._drop_reservation(request_id)
@@ -225,12 +232,21 @@ class Router:
             return view
         if not self._output_tuple and self._output_lens:
             self._output_tuple = tuple(self._output_lens)
-        workers = []
-        for wid, w in self._workers.items():
-            if w.view is None:
-                w.view = self._worker_view(wid, w)
-            workers.append(w.view)
-        view = self._view = ClusterView(tuple(workers), self._output_tuple)
+        slots = self._slots
+        stale = self._stale
+        if slots is None:
+            self._index = {wid: i for i, wid in enumerate(self._workers)}
+            slots = self._slots = []
+            for wid, w in self._workers.items():
+                if w.view is None or wid in stale:
+                    w.view = self._worker_view(wid, w)
+                slots.append(w.view)
+        else:
+            for wid in stale:
+                w = self._workers[wid]
+                w.view = slots[self._index[wid]] = self._worker_view(wid, w)
+        stale.clear()
+        view = self._view = ClusterView(tuple(slots), self._output_tuple)
         return view
 
     def place(
@@ -291,9 +307,8 @@ class Router:
             self._invalidate(wid)
 
     def _invalidate(self, worker_id: str) -> None:
-        w = self._workers.get(worker_id)
-        if w is not None:
-            w.view = None
+        if worker_id in self._workers:
+            self._stale.add(worker_id)
             self._view = None
 
     def _worker_view(self, wid: str, w: _Worker) -> WorkerView:
