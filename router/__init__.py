@@ -1,20 +1,24 @@
 """Baton's router: pure scheduling (no Ray, HTTP, torch or clock reads).
 
-``make_policy(name, **options).plan(profile, view, now_s) -> Plan | Reject``.
+``Router(RouterSettings.from_config(config))`` is the front door the gateway and the
+simulator drive: ``update(snapshot)``, ``place(profile, now_s) -> Plan | Hold | Reject``,
+``release(request_id)``. Inside it, ``make_policy(name, **options).plan(profile, view,
+now_s) -> Plan | Reject``.
 
 Modules, one idea each:
 
 * ``types``: what the router reads and returns (profiles, views, plans, rejects);
+* ``front_door``: ``Router`` and its frozen ``RouterSettings``;
 * ``policy`` / ``policies``: the registry and ``round_robin``, ``least_loaded``,
   ``prefix_aware``, ``slo_goodput`` (the default);
 * ``cost_model``: profile JSON format, prefill/decode/transfer curves refitted online;
 * ``estimator``: the past-future KV peak estimator and the engine's admission rule;
 * ``length``: effective prefill length, short/long classes, per-class queue waits;
 * ``worker_table`` / ``prefix_index``: per-snapshot caches behind ``slo_goodput``;
-* ``reservations``: in-flight reservations the gateway adds to a view;
 * ``planner`` / ``cli_plan``: P/D pool sizing and role flips; ``baton plan``.
 """
 
+from router.front_door import Hold, Router, RouterSettings
 from router.policy import (
     Policy,
     available_policies,
@@ -39,6 +43,7 @@ from router.types import (
 __all__ = [
     "SLO",
     "ClusterView",
+    "Hold",
     "LengthClass",
     "Plan",
     "Policy",
@@ -46,6 +51,8 @@ __all__ = [
     "Reject",
     "RequestProfile",
     "Role",
+    "Router",
+    "RouterSettings",
     "RunningRequest",
     "StepSample",
     "WorkerView",

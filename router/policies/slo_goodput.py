@@ -87,6 +87,9 @@ class SloGoodput:
     max_exact_checks: int = 8
     use_error_margin: bool = True
     seed: int = 0
+    # The owner's classifier (``router.Router``'s): the owner observes each request once
+    # and this policy only reads θ. None: its own, observed on every ``plan`` call.
+    classifier: LengthClassifier | None = None
     _table: WorkerTable = field(init=False, repr=False)
     _classifier: LengthClassifier = field(init=False, repr=False)
     _models: dict[str, CostModel] = field(init=False, repr=False, default_factory=dict)
@@ -95,6 +98,7 @@ class SloGoodput:
     _ring: np.ndarray = field(init=False, repr=False)
     _ring_u: np.ndarray = field(init=False, repr=False)
     _ring_next: int = field(init=False, repr=False, default=0)
+    _observes: bool = field(init=False, repr=False, default=True)
 
     def __post_init__(self) -> None:
         match self.profile:
@@ -117,7 +121,10 @@ class SloGoodput:
             stall_weight=self.stall_weight,
         )
         self._table = WorkerTable(settings, self.cost_model, rng)
-        self._classifier = LengthClassifier(self._profile.prefill, self.length_threshold_tokens)
+        self._observes = self.classifier is None
+        self._classifier = self.classifier or LengthClassifier(
+            self._profile.prefill, self.length_threshold_tokens
+        )
         self._ring_u = rng.random((_CANDIDATE_RING, self.num_draws))
         self._refresh_history(())
 
@@ -196,7 +203,8 @@ class SloGoodput:
         budget_s = ttft_s * headroom - elapsed_s if ttft_s is not None else math.inf
         tpot_limit_s = tpot_s * headroom if tpot_s is not None else math.inf
 
-        self._classifier.observe(effective_prefill_tokens(profile))
+        if self._observes:
+            self._classifier.observe(effective_prefill_tokens(profile))
         n = self._prefill_tokens(profile)
         is_long = n >= self._classifier.threshold_tokens
         prefill_s = t.pa + n * (t.pb + n * t.pc)

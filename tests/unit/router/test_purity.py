@@ -21,7 +21,12 @@ def _modules() -> list[str]:
 
 def test_every_router_module_imports_with_heavy_dependencies_blocked() -> None:
     modules = _modules()
-    assert {"router.estimator", "router.cost_model", "router.policies.slo_goodput"} <= set(modules)
+    assert {
+        "router.front_door",
+        "router.estimator",
+        "router.cost_model",
+        "router.policies.slo_goodput",
+    } <= set(modules)
     code = "\n".join(
         [
             "import importlib, sys",
@@ -29,6 +34,8 @@ def test_every_router_module_imports_with_heavy_dependencies_blocked() -> None:
             f"for name in {['router', *modules]!r}: importlib.import_module(name)",
             "from router import make_policy, available_policies",
             "for name in available_policies(): make_policy(name)",
+            "from router import Router, RouterSettings",
+            "for name in available_policies(): Router(RouterSettings(policy=name))",
             f"leaked = [m for m in {BLOCKED!r} if sys.modules.get(m) is not None]",
             "assert not leaked, leaked",
         ]

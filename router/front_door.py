@@ -1,0 +1,354 @@
+"""``Router``: the one front door the gateway and the simulator drive.
+
+It owns everything around ``policy.plan`` that used to exist once per caller:
+
+* the **settings**, frozen once (``RouterSettings``, seconds and defaults applied);
+* the **cluster view**, kept incrementally: ``update(report)`` rebuilds only that
+  worker's ``WorkerView`` and the other workers keep their objects, so the policy's
+  per-worker caches (``WorkerTable.sync`` compares by identity) recompute one row;
+* the **reservations**: a placed plan is added to its workers' views until
+  ``release(plan)`` (the gateway releases when the worker's telemetry counts it);
+* the **one length classifier**: queued prompts are classified by its θ, and θ is
+  observed once per request (the first ``place`` of a request id), not once per
+  re-plan of a held request;
+* **hold or reject**: a policy's ``Reject(hold=True)`` comes back as ``Hold``.
+
+Pure like the rest of ``router``: no Ray, HTTP, torch or clock reads; ``now_s`` is
+passed in. A worker report is anything shaped like ``services.workers.messages.
+WorkerSnapshot`` (``WorkerReport`` below), so this module imports nothing of services.
+
+Hook for learning from outcomes (issue 14): ``observe_outcome`` is the one place
+where a finished request's measured TTFT/TPOT reaches the router; today it feeds
+the output-length history, and online correction of the cost model belongs there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from router.cost_model import DEFAULT_PROFILE, Profile, load_profile
+from router.length import LengthClassifier, effective_prefill_tokens
+from router.policy import Policy, make_policy_from_settings
+from router.types import (
+    SLO,
+    ClusterView,
+    LengthClass,
+    Plan,
+    Reject,
+    RequestProfile,
+    Role,
+    RunningRequest,
+    StepSample,
+    WorkerView,
+)
+
+__all__ = ["Hold", "Router", "RouterSettings", "WorkerReport"]
+
+_OUTPUT_HISTORY = 256
+_DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
+
+
+class WorkerReport(Protocol):
+    """What ``Router.update`` reads of a worker's telemetry (``WorkerSnapshot`` has it)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def role(self) -> Role: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_total_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def running(self) -> tuple[RunningRequest, ...]: ...
+    @property
+    def waiting_prompt_lens(self) -> tuple[int, ...]: ...
+    @property
+    def recent_steps(self) -> tuple[StepSample, ...]: ...
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def prefix_digest(self) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """The router's settings in the router's units (seconds), built once.
+
+    ``from_config`` reads a ``services.config.RouterConfig`` (or anything with its
+    fields), so ``baton serve`` and ``baton simulate`` build the same router from one
+    config file."""
+
+    policy: str = "slo_goodput"
+    default_slo: SLO = _DEFAULT_SLO
+    length_split: str = "spatial"
+    length_threshold_tokens: int | None = None
+    profile: Profile = DEFAULT_PROFILE
+    max_hold_s: float = 5.0
+    memory_fraction: float = 0.95
+    rebalance_interval_s: float = 10.0
+    colocate_roles: tuple[Role, ...] = (Role.MIXED, Role.DECODE)  # may run a whole request
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, config: Any, profile: Profile | None = None) -> RouterSettings:
+        slo = config.default_slo
+        if profile is None:
+            profile = load_profile(config.profile) if config.profile else DEFAULT_PROFILE
+        return cls(
+            policy=config.policy,
+            default_slo=SLO(ttft_s=slo.ttft_ms / 1e3, tpot_s=slo.tpot_ms / 1e3),
+            length_split=config.length_split,
+            length_threshold_tokens=config.length_threshold_tokens,
+            profile=profile,
+            max_hold_s=config.max_hold_s,
+            memory_fraction=config.memory_fraction,
+            rebalance_interval_s=config.rebalance_interval_s,
+        )
+
+    def policy_options(self, classifier: LengthClassifier) -> Mapping[str, Any]:
+        """Every option a policy may take; ``make_policy_from_settings`` keeps its own."""
+        return {
+            "profile": self.profile,
+            "default_slo": self.default_slo,
+            "length_split": self.length_split,
+            "length_threshold_tokens": self.length_threshold_tokens,
+            "memory_fraction": self.memory_fraction,
+            "max_hold_s": self.max_hold_s,
+            "colocate_roles": self.colocate_roles,
+            "seed": self.seed,
+            "classifier": classifier,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Keep the request at the front door and ``place`` it again after ``retry_after_s``."""
+
+    reason: str
+    retry_after_s: float
+
+
+@dataclass(slots=True)
+class _Reservation:
+    plan: Plan
+    prefill_tokens: int
+    length_class: LengthClass
+    held_tokens: int
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class _Worker:
+    report: WorkerReport
+    digest: frozenset[int]
+    view: WorkerView | None = None  # the last one built
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, policy: Policy | None = None) -> None:
+        self.settings = settings
+        self.classifier = LengthClassifier(
+            settings.profile.prefill, settings.length_threshold_tokens
+        )
+        self.policy = policy or make_policy_from_settings(
+            settings.policy, settings.policy_options(self.classifier)
+        )
+        self._workers: dict[str, _Worker] = {}
+        self._dead: set[str] = set()
+        self._reservations: dict[str, _Reservation] = {}  # request id -> what it took
+        self._by_worker: dict[str, set[str]] = {}  # worker id -> reserving request ids
+        self._observed: set[str] = set()  # request ids whose length θ has seen
+        self._output_lens: deque[int] = deque(maxlen=_OUTPUT_HISTORY)
+        self._output_tuple: tuple[int, ...] = ()
+        self._view: ClusterView | None = None
+        # The view's workers in order; None: a worker joined or left, rebuild the order.
+        self._slots: list[WorkerView] | None = None
+        self._index: dict[str, int] = {}
+        self._stale: set[str] = set()  # workers whose view must be rebuilt
+
+    # -- telemetry ---------------------------------------------------------------------
+    def update(self, report: WorkerReport) -> None:
+        """Take a worker's snapshot; only that worker's view is rebuilt (lazily)."""
+        wid = report.worker_id
+        if wid in self._dead:
+            return
+        known = self._workers.get(wid)
+        if known is not None and report.seq <= known.report.seq:
+            return  # out of order
+        if known is None:
+            digest = frozenset(report.prefix_digest)
+            self._workers[wid] = _Worker(report, digest)
+            self._slots = None
+        else:
+            if known.report.prefix_digest != report.prefix_digest:
+                known.digest = frozenset(report.prefix_digest)
+            known.report = report
+        self._stale.add(wid)
+        self._view = None
+
+    def mark_dead(self, worker_id: str) -> None:
+        self._dead.add(worker_id)
+        if self._workers.pop(worker_id, None) is not None:
+            self._slots = None
+            self._stale.discard(worker_id)
+            self._view = None
+        for request_id in self._by_worker.pop(worker_id, set()):
+            self._drop_reservation(request_id)
+
+    def is_alive(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def reports(self) -> dict[str, WorkerReport]:
+        return {wid: w.report for wid, w in self._workers.items()}
+
+    def observe_outcome(self, output_len: int) -> None:
+        """A finished request's output length (the history H of the KV estimator).
+
+        Issue 14 hook: measured TTFT/TPOT per plan would be fed here to correct the
+        cost model online."""
+        self._output_lens.append(output_len)
+        self._output_tuple = ()
+        self._view = None
+
+    # -- deciding ----------------------------------------------------------------------
+    def view(self) -> ClusterView:
+        """The cluster as the policy sees it: telemetry plus reservations."""
+        view = self._view
+        if view is not None:
+            return view
+        if not self._output_tuple and self._output_lens:
+            self._output_tuple = tuple(self._output_lens)
+        slots = self._slots
+        stale = self._stale
+        if slots is None:
+            self._index = {wid: i for i, wid in enumerate(self._workers)}
+            slots = self._slots = []
+            for wid, w in self._workers.items():
+                if w.view is None or wid in stale:
+                    w.view = self._worker_view(wid, w)
+                slots.append(w.view)
+        else:
+            for wid in stale:
+                w = self._workers[wid]
+                w.view = slots[self._index[wid]] = self._worker_view(wid, w)
+        stale.clear()
+        view = self._view = ClusterView(tuple(slots), self._output_tuple)
+        return view
+
+    def place(
+        self, profile: RequestProfile, now_s: float, *, replaced: bool = False
+    ) -> Plan | Hold | Reject:
+        """Plan ``profile``; a plan is reserved on its workers until ``release``.
+
+        ``replaced``: a failover re-placement; its age is not held against it (the
+        TTFT budget counts from now) and its length is not observed again."""
+        if replaced:
+            profile = dataclasses.replace(profile, arrival_s=now_s)
+        elif profile.request_id not in self._observed:
+            self._observed.add(profile.request_id)
+            self.classifier.observe(effective_prefill_tokens(profile))
+        decision = self.policy.plan(profile, self.view(), now_s)
+        if isinstance(decision, Reject):
+            if decision.hold:
+                return Hold(decision.reason, decision.retry_after_s)
+            self._observed.discard(profile.request_id)
+            return decision
+        self._observed.discard(profile.request_id)
+        self._reserve(profile, decision)
+        return decision
+
+    def release(self, request_id: str) -> None:
+        """The request no longer needs its reservation (its workers' telemetry counts it,
+        it finished or failed) or, if it was held, a place any more."""
+        self._observed.discard(request_id)
+        self._drop_reservation(request_id)
+
+    def num_reservations(self) -> int:
+        return len(self._reservations)
+
+    # -- internals ---------------------------------------------------------------------
+    def _reserve(self, profile: RequestProfile, plan: Plan) -> None:
+        rid = profile.request_id
+        self._drop_reservation(rid)
+        tokens = effective_prefill_tokens(profile)
+        self._reservations[rid] = _Reservation(
+            plan,
+            tokens,
+            self.classifier.classify(tokens),
+            profile.num_prompt_tokens + profile.num_image_tokens,
+            profile.max_tokens,
+        )
+        for wid in _touched(plan):
+            self._by_worker.setdefault(wid, set()).add(rid)
+            self._invalidate(wid)
+
+    def _drop_reservation(self, request_id: str) -> None:
+        r = self._reservations.pop(request_id, None)
+        if r is None:
+            return
+        for wid in _touched(r.plan):
+            ids = self._by_worker.get(wid)
+            if ids is not None:
+                ids.discard(request_id)
+            self._invalidate(wid)
+
+    def _invalidate(self, worker_id: str) -> None:
+        if worker_id in self._workers:
+            self._stale.add(worker_id)
+            self._view = None
+
+    def _worker_view(self, wid: str, w: _Worker) -> WorkerView:
+        s = w.report
+        classify = self.classifier.classify
+        queued_tokens = {LengthClass.SHORT: 0, LengthClass.LONG: 0}
+        queued_requests = {LengthClass.SHORT: 0, LengthClass.LONG: 0}
+        for n in s.waiting_prompt_lens:
+            cls = classify(n)
+            queued_tokens[cls] += n
+            queued_requests[cls] += 1
+        running = list(s.running)
+        num_free_blocks = s.num_free_blocks
+        for rid in self._by_worker.get(wid, ()):
+            r = self._reservations[rid]
+            if r.plan.prefill_worker == wid:
+                queued_tokens[r.length_class] += r.prefill_tokens
+                queued_requests[r.length_class] += 1
+            if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
+                num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
+                running.append(RunningRequest(r.held_tokens, 0, r.max_tokens))
+        return WorkerView(
+            worker_id=wid,
+            role=s.role,
+            num_total_blocks=s.num_total_blocks,
+            num_free_blocks=max(0, num_free_blocks),
+            block_size=s.block_size,
+            queued_tokens=queued_tokens,
+            queued_requests=queued_requests,
+            running=tuple(running),
+            recent_steps=s.recent_steps,
+            kv_bytes_per_token=s.kv_bytes_per_token,
+            max_num_seqs=s.max_num_seqs,
+            draining=s.draining,
+            prefix_digest=w.digest,
+        )
+
+
+def _touched(plan: Plan) -> tuple[str, ...]:
+    decode = plan.decode_worker or plan.prefill_worker
+    return (
+        (plan.prefill_worker,) if decode == plan.prefill_worker else (plan.prefill_worker, decode)
+    )

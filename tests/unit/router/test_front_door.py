@@ -1,0 +1,171 @@
+"""router.Router: incremental view, reservations, θ observed once per request, hold/reject."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from router.front_door import Hold, Router, RouterSettings
+from router.types import SLO, LengthClass, Plan, Reject, RequestProfile, Role, RunningRequest
+from services.config import RouterConfig
+from services.workers.messages import WorkerSnapshot
+from tests.unit.router.builders import PROFILE, SLO_DEFAULT
+
+
+def snapshot(
+    worker_id: str,
+    role: Role,
+    seq: int = 1,
+    *,
+    free_blocks: int = 1000,
+    waiting: tuple[int, ...] = (),
+    running: tuple[RunningRequest, ...] = (),
+) -> WorkerSnapshot:
+    return WorkerSnapshot(
+        worker_id=worker_id,
+        role=role,
+        draining=False,
+        seq=seq,
+        time_s=float(seq),
+        block_size=16,
+        num_total_blocks=1000,
+        num_free_blocks=free_blocks,
+        num_cached_blocks=0,
+        num_held_blocks=0,
+        running=running,
+        waiting_prompt_lens=waiting,
+        recent_steps=(),
+        recent_output_lens=(),
+        num_preemptions=0,
+        num_pending_pulls=0,
+        num_finished_requests=0,
+        kv_bytes_per_token=100_000,
+        max_num_seqs=64,
+        max_model_len=4096,
+    )
+
+
+def request(request_id: str, prompt: int = 500, arrival_s: float = 0.0) -> RequestProfile:
+    return RequestProfile(request_id, prompt, prompt, max_tokens=100, arrival_s=arrival_s)
+
+
+def router(**options: Any) -> Router:
+    settings = RouterSettings(
+        profile=PROFILE, default_slo=SLO_DEFAULT, length_split="temporal", colocate_roles=()
+    )
+    r = Router(replace(settings, **options))
+    r.update(snapshot("p", Role.PREFILL))
+    r.update(snapshot("d", Role.DECODE))
+    return r
+
+
+def test_settings_from_the_config_file_section_are_in_seconds() -> None:
+    s = RouterSettings.from_config(RouterConfig(max_hold_s=2.5, length_threshold_tokens=300))
+    assert s.policy == "slo_goodput" and s.length_split == "spatial"
+    assert s.max_hold_s == 2.5 and s.length_threshold_tokens == 300
+    assert s.default_slo.ttft_s == pytest.approx(RouterConfig().default_slo.ttft_ms / 1e3)
+
+
+def test_update_rebuilds_only_the_worker_that_reported() -> None:
+    r = router()
+    before = r.view()
+    assert r.view() is before  # nothing changed: the same view object
+    r.update(snapshot("p", Role.PREFILL, seq=2, waiting=(40,)))
+    after = r.view()
+    assert after.workers[1] is before.workers[1]  # "d" untouched
+    assert after.workers[0] is not before.workers[0]
+    assert after.workers[0].queued_requests[LengthClass.SHORT] == 1
+    r.update(snapshot("p", Role.PREFILL, seq=1, waiting=(40, 40)))  # out of order: ignored
+    assert r.view() is after
+
+
+def test_queued_prompts_are_classified_by_the_routers_threshold() -> None:
+    r = router(length_threshold_tokens=100)  # not the gateway's old fixed 512
+    r.update(snapshot("p", Role.PREFILL, seq=2, waiting=(50, 150, 300)))
+    p = r.view().workers[0]
+    assert p.queued_tokens == {LengthClass.SHORT: 50, LengthClass.LONG: 450}
+    assert p.queued_requests == {LengthClass.SHORT: 1, LengthClass.LONG: 2}
+    assert r.policy.length_threshold == 100  # type: ignore[attr-defined]
+
+
+def test_theta_moves_only_with_new_requests_not_while_one_is_held() -> None:
+    # A 10 s TTFT target: the held request stays reachable for the whole 5 s hold.
+    r = router(default_slo=SLO(ttft_s=10.0, tpot_s=0.02))
+    r.update(snapshot("d", Role.DECODE, seq=2, free_blocks=0))  # no decode room: hold
+    theta = r.classifier.threshold_tokens  # the knee of PROFILE's prefill curve: 100
+    up = math.exp(0.05 * (1 - 0.2))  # one observation above θ (step 0.05, quantile 0.8)
+    held = request("held", prompt=600)
+    now = 0.0
+    while now < 4.99:  # re-placed every 10 ms for 5 s, as the gateway does
+        assert isinstance(r.place(held, now), Hold)
+        now += 0.01
+    assert r.classifier.threshold_tokens == pytest.approx(theta * up)
+    assert isinstance(r.place(held, 5.0), Reject)  # max_hold_s reached
+    assert r.classifier.threshold_tokens == pytest.approx(theta * up)
+    r.place(request("new", prompt=600), 5.0)
+    assert r.classifier.threshold_tokens == pytest.approx(theta * up * up)
+
+
+def test_a_plan_is_reserved_until_released() -> None:
+    r = router()
+    plan = r.place(request("a", prompt=500), 0.0)
+    assert isinstance(plan, Plan) and (plan.prefill_worker, plan.decode_worker) == ("p", "d")
+    p, d = r.view().workers
+    assert sum(p.queued_tokens.values()) == 500 and sum(p.queued_requests.values()) == 1
+    assert d.running == (RunningRequest(500, 0, 100),)
+    assert d.num_free_blocks == 1000 - 32  # ceil(501 / 16)
+    r.release("a")
+    p, d = r.view().workers
+    assert sum(p.queued_tokens.values()) == 0 and d.running == () and r.num_reservations() == 0
+
+
+def test_a_dead_worker_leaves_the_view_with_its_reservations() -> None:
+    r = router()
+    assert isinstance(r.place(request("a"), 0.0), Plan)
+    r.mark_dead("d")
+    r.update(snapshot("d", Role.DECODE, seq=9))  # late telemetry of a dead worker
+    assert [w.worker_id for w in r.view().workers] == ["p"]
+    assert r.num_reservations() == 0
+
+
+def test_a_failover_is_never_refused_for_its_age() -> None:
+    r = router()
+    old = request("f", arrival_s=0.0)
+    assert isinstance(r.place(old, 100.0), Reject)  # 100 s old: its TTFT is lost
+    assert isinstance(r.place(old, 100.0, replaced=True), Plan)
+
+
+def test_a_reserved_slot_is_not_given_twice() -> None:
+    # d_tight has one seat left (max_num_seqs 4, 3 running); d_roomy is emptier.
+    r = router()
+    r.mark_dead("d")
+    r.update(replace(snapshot("d_tight", Role.DECODE, running=_busy(3, 3000)), max_num_seqs=4))
+    r.update(snapshot("d_roomy", Role.DECODE, running=_busy(1, 100)))
+    first = r.place(request("a"), 0.0)
+    assert isinstance(first, Plan) and first.decode_worker == "d_tight"  # the fullest
+    roomy = r.view().workers[2]
+    second = r.place(request("b"), 0.0)
+    assert isinstance(second, Plan) and second.decode_worker == "d_roomy"
+    assert r.view().workers[2] is not roomy  # now reserved on
+    r.release("a")
+    third = r.place(request("c"), 0.0)
+    assert isinstance(third, Plan) and third.decode_worker == "d_tight"
+
+
+def test_a_colocated_reservation_lands_once_on_its_host() -> None:
+    r = Router(
+        RouterSettings(profile=PROFILE, default_slo=SLO_DEFAULT, colocate_roles=(Role.MIXED,))
+    )
+    r.update(snapshot("m", Role.MIXED))
+    plan = r.place(request("a", prompt=16), 0.0)
+    assert isinstance(plan, Plan) and plan.colocated
+    (m,) = r.view().workers
+    assert len(m.running) == 1 and sum(m.queued_requests.values()) == 1
+    assert m.num_free_blocks == 1000 - 2  # ceil(17 / 16), taken once
+
+
+def _busy(count: int, held: int) -> tuple[RunningRequest, ...]:
+    return tuple(RunningRequest(held, 0, 1000) for _ in range(count))
