@@ -120,6 +120,12 @@ class LLMEngine:
         return self.kv
 
     # -- requests in ------------------------------------------------------------
+    def prepare(self, request: EngineRequest) -> None:
+        """Thread-safe, called off the engine loop before ``add_request``: compile the
+        request's grammar into the cache (a 400 naming the field if it cannot be)."""
+        if request.sampling.structured is not None:
+            self.grammars.compile(request.sampling.structured)
+
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add(self._admit(request))
 

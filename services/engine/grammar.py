@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,8 @@ class GrammarCompiler:
         self._max_entries = max_entries
         self._compile_timeout_s = compile_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        # compile() runs on the worker's prepare thread and on the engine loop (cache hits).
+        self._lock = threading.Lock()
         self.num_compiles = 0
 
     @property
@@ -82,10 +85,11 @@ class GrammarCompiler:
         key = hashlib.sha256(
             f"{structured.kind}\0{structured.any_whitespace}\0{structured.spec}".encode()
         ).hexdigest()
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
         structured.validate()
         future = self._pool.submit(self._compile_now, structured)
         try:
@@ -99,10 +103,11 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"invalid {structured.kind} constraint: {_first_line(e)}", structured.param
             ) from e
-        self.num_compiles += 1
-        self._cache[key] = compiled
-        if len(self._cache) > self._max_entries:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.num_compiles += 1
+            self._cache[key] = compiled
+            if len(self._cache) > self._max_entries:
+                self._cache.popitem(last=False)
         return compiled
 
     def matcher(

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from kvtransfer.connector import KVConnector
 from router.types import Role
 from services.backends.protocol import Engine
+from services.engine.messages import EngineRequest, InvalidRequestError
 from services.workers.loop import EngineLoop
 from services.workers.messages import (
+    FailureKind,
     Job,
     RequestFailed,
     TokenDelta,
@@ -55,6 +57,10 @@ class Worker:
         self._role = spec.role
         self._draining = False
         engine = spec.engine_factory()
+        # Optional engine capability: thread-safe per-request work done before the
+        # request reaches the engine loop (compiling its grammar), so that a slow
+        # compile never stalls the other requests' steps.
+        self._prepare: Callable[[EngineRequest], None] | None = getattr(engine, "prepare", None)
         connector = spec.connector_factory(spec.worker_id) if spec.connector_factory else None
         self._aio: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[WorkerEvent]] = {}
@@ -77,6 +83,12 @@ class Worker:
         """Stream a request's events; the last is a finished TokenDelta or a RequestFailed."""
         self._bind()
         request_id = job.request.request_id
+        if self._prepare is not None and job.request.sampling.structured is not None:
+            try:
+                await asyncio.to_thread(self._prepare, job.request)
+            except InvalidRequestError as e:
+                yield RequestFailed(request_id, FailureKind.INVALID, str(e), e.param)
+                return
         events: asyncio.Queue[WorkerEvent] = asyncio.Queue()
         self._streams[request_id] = events
         self._loop.submit(job)

@@ -32,10 +32,14 @@ def fake_config(**overrides: Any) -> ClusterConfig:
     return ClusterConfig().with_overrides({**base, **overrides})
 
 
-def fake_service(config: ClusterConfig, max_model_len: int = 512) -> GatewayService:
+def fake_service(
+    config: ClusterConfig,
+    max_model_len: int = 512,
+    engine_factory: Callable[[], Any] | None = None,
+) -> GatewayService:
     specs = worker_specs(
         config,
-        FakeEngineFactory(max_model_len=max_model_len),
+        engine_factory or FakeEngineFactory(max_model_len=max_model_len),
         ConnectorFactory(config.kvtransfer),
     )
     settings = GatewaySettings(
@@ -59,9 +63,9 @@ async def gateway() -> AsyncIterator[GatewayFactory]:
     started: list[tuple[GatewayService, httpx.AsyncClient]] = []
 
     async def make(
-        max_model_len: int = 512, **overrides: Any
+        max_model_len: int = 512, engine_factory: Callable[[], Any] | None = None, **overrides: Any
     ) -> tuple[GatewayService, httpx.AsyncClient]:
-        svc = fake_service(fake_config(**overrides), max_model_len)
+        svc = fake_service(fake_config(**overrides), max_model_len, engine_factory)
         await svc.start()
         app = create_app(svc, manage_lifecycle=False)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
