@@ -1,5 +1,9 @@
 """Baton over vLLM (its CPU build), for real: colocated and 1P+1D over vLLM's NixlConnector,
-driven through the official ``openai`` client, against vLLM's own ``LLM.generate``."""
+driven through the official ``openai`` client, against vLLM's own ``LLM.generate``.
+
+The text-equality cases run ``baton serve --backend vllm`` as a user does (a subprocess);
+the telemetry, hang-up and kill cases use an in-process gateway over Ray actors, to reach
+the workers."""
 
 from __future__ import annotations
 
@@ -8,11 +12,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 from openai import AsyncOpenAI
 
 from services.workers.messages import WorkerSnapshot
 from tests.support.cluster import real_service, tiny_config
+from tests.support.serve_cli import baton_serve, serve_env
 from tests.support.server import ServedGateway
 from tests.support.vllm import build_vllm_checkpoint
 
@@ -81,13 +88,36 @@ def expected(reference: list[tuple[str, list[int]]]) -> list[str]:
     return [text for text, _ in reference]
 
 
-@pytest.fixture(scope="module")
-def colocated(checkpoint: Path, ray_cluster: str) -> Iterator[ServedGateway]:
-    config = _vllm_config(
-        checkpoint, **{"workers.mode": "colocated", "workers.prefill": 1, "workers.decode": 0}
+def _serve_args(checkpoint: Path, folder: Path, *layout: str) -> list[str]:
+    config = folder / "vllm.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "engine": {
+                    "vllm": {"enforce_eager": True},
+                    "max_model_len": 512,
+                    "kv_cache_bytes": 8 * 2**20,
+                    "device": "cpu",
+                },
+                "kvtransfer": {"lease_s": LEASE_S},
+                "router": {"policy": "round_robin"},
+                "workers": {"num_cpus": 0},
+            }
+        )
     )
-    with ServedGateway(real_service(config, ray=True)) as server:  # type: ignore[arg-type]
-        yield server
+    return [
+        "--config", str(config), "--backend", "vllm", "--model", str(checkpoint),
+        "--served-model-name", "m", "--dtype", "float32", "--log-level", "warning", *layout,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def colocated(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``baton serve --backend vllm --mode colocated``: its base URL."""
+    layout = ["--mode", "colocated", "--prefill", "1", "--decode", "0"]
+    args = _serve_args(checkpoint, tmp_path_factory.mktemp("colocated"), *layout)
+    with baton_serve(args, serve_env(), ready_s=240) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +171,23 @@ def _wait_until_idle(server: ServedGateway, within_s: float) -> dict[str, Worker
         time.sleep(0.1)
 
 
-def test_colocated_text_equals_vllm_generate(colocated: ServedGateway, expected: list[str]) -> None:
+def test_colocated_text_equals_vllm_generate(colocated: str, expected: list[str]) -> None:
     assert len(set(expected)) == len(expected)  # the prompts really give different texts
-    assert asyncio.run(_stream_all(colocated.base_url)) == expected
+    assert asyncio.run(_stream_all(colocated)) == expected
+
+
+def test_baton_serve_one_prefill_one_decode_equals_vllm_generate(
+    checkpoint: Path, tmp_path: Path, expected: list[str]
+) -> None:
+    """``baton serve --backend vllm --prefill 1 --decode 1``: KV over vLLM's NixlConnector."""
+    args = _serve_args(checkpoint, tmp_path, "--prefill", "1", "--decode", "1")
+    with baton_serve(args, serve_env(), ready_s=240) as base:
+        assert asyncio.run(_stream_all(base)) == expected
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    moved = [
+        line for line in metrics.splitlines() if line.startswith("baton_kv_transfer_bytes_total")
+    ]
+    assert moved and float(moved[0].split()[-1]) > 0, moved
 
 
 def test_prefill_decode_over_nixl_equals_vllm_generate(
@@ -224,11 +268,11 @@ def test_prefill_worker_killed_after_the_first_token_still_gives_the_same_text(
     assert any(w.startswith("decode") for w in workers)
 
 
-def test_structured_outputs_and_logit_bias_reach_vllm(colocated: ServedGateway) -> None:
+def test_structured_outputs_and_logit_bias_reach_vllm(colocated: str) -> None:
     """The backend-neutral constraint and logit_bias are vLLM's own on this backend."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=colocated.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = OpenAI(base_url=colocated + "/v1", api_key="x", max_retries=0, timeout=60)
     choices = ["cat", "mat", "hello"]
     for i in range(4):
         r = client.completions.create(
