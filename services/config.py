@@ -132,8 +132,10 @@ class GatewayConfig(_Section):
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     max_inflight_requests: int = Field(1024, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None, description="parse tool calls out of tool_choice=auto output (None: answer as text)"
+    tool_call_parser: str | None = Field(
+        None,
+        description="parse tool calls out of tool_choice=auto output: hermes, llama3_json, or any "
+        "parser vLLM registers (None: answer as text); checked by name at start",
     )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="split <think>...</think> into message.reasoning"

@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-backend", choices=["nixl", "torch", "local"])
     parser.add_argument("--policy", help="router policy (round_robin, slo_goodput, ...)")
     parser.add_argument("--api-key", help="require this bearer key (default: $BATON_API_KEY)")
-    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"])
+    parser.add_argument(
+        "--tool-call-parser", help="hermes, llama3_json, or any of vLLM's registered tool parsers"
+    )
     parser.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"])
     parser.add_argument("--worker-cpus", type=float, help="Ray CPUs per worker")
     parser.add_argument("--ray-address", help="join this Ray cluster (default: $RAY_ADDRESS)")
@@ -179,7 +181,11 @@ async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
 
 
 def check_backend_options(config: ClusterConfig) -> None:
-    """Refuse, before any worker starts, backend options the backend does not take."""
+    """Refuse, before any worker starts, backend options the backend does not take and
+    a tool-call parser nobody provides."""
+    from services.gateway.parsers import check_tool_call_parser
+
+    check_tool_call_parser(config.gateway.tool_call_parser)
     if config.engine.backend == "vllm":
         from services.backends.vllm import check_vllm_options
 

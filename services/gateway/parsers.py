@@ -19,7 +19,7 @@ parse is content: nothing the model wrote is lost.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,6 +30,8 @@ __all__ = [
     "Parsed",
     "ReasoningParser",
     "ToolParser",
+    "check_tool_call_parser",
+    "make_tool_parser",
     "split_output",
 ]
 
@@ -222,6 +224,34 @@ TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
 }
+
+
+def make_tool_parser(
+    name: str, tokenizer: Any = None, tools: Sequence[dict[str, Any]] = ()
+) -> ToolParser:
+    """One of ours by name, else vLLM's parser of that name (KeyError if neither has it)."""
+    ours = TOOL_PARSERS.get(name)
+    if ours is not None:
+        return ours()
+    from services.gateway.vllm_tool_parsers import VllmToolParser, vllm_tool_parser_names
+
+    if name not in vllm_tool_parser_names():
+        raise KeyError(f"unknown tool call parser {name!r}")
+    return VllmToolParser(name, tokenizer, tools)
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    """At start: ValueError naming ours and vLLM's parsers if ``name`` is neither."""
+    if name is None or name in TOOL_PARSERS:
+        return
+    from services.gateway.vllm_tool_parsers import vllm_tool_parser_names
+
+    known = vllm_tool_parser_names()
+    if name not in known:
+        raise ValueError(
+            f"gateway.tool_call_parser {name!r} is unknown; Baton's: {sorted(TOOL_PARSERS)}"
+            + (f"; vLLM's: {known}" if known else " (vLLM is not installed)")
+        )
 
 
 class OutputParser:

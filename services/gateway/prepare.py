@@ -174,7 +174,13 @@ def prepare_chat(
     max_tokens = body.max_completion_tokens or body.max_tokens
     tools = tool_mode(body)
     gw = svc.settings.gateway
-    shape = ShapeSpec(tools, gw.reasoning_parser, gw.tool_call_parser, body.include_reasoning)
+    shape = ShapeSpec(
+        tools,
+        gw.reasoning_parser,
+        gw.tool_call_parser,
+        body.include_reasoning,
+        hf_tokenizer=getattr(svc.tokenizer, "hf_tokenizer", None),
+    )
     return _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages", tools, shape)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, OutputParser, Parsed
+from services.gateway.parsers import REASONING_PARSERS, OutputParser, Parsed, make_tool_parser
 from services.gateway.tools import ToolCallStream, ToolMode, forced_calls, new_call_id
 
 __all__ = ["ChoiceShaper", "ShapeSpec", "StreamDelta"]
@@ -29,6 +29,8 @@ class ShapeSpec:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     include_reasoning: bool = True
+    # The model's Hugging Face tokenizer, for vLLM's tool parsers (some read its vocabulary).
+    hf_tokenizer: Any = field(default=None, compare=False)
 
     @property
     def is_plain(self) -> bool:
@@ -50,7 +52,8 @@ class ChoiceShaper:
         self._forced = ToolCallStream(mode) if mode is not None and mode.forced else None
         tools = None
         if mode is not None and mode.kind == "auto" and spec.tool_call_parser is not None:
-            tools = TOOL_PARSERS[spec.tool_call_parser]()
+            offered = [t.model_dump(exclude_none=True) for t in mode.tools]
+            tools = make_tool_parser(spec.tool_call_parser, spec.hf_tokenizer, offered)
         reasoning = REASONING_PARSERS[spec.reasoning_parser]() if spec.reasoning_parser else None
         self._parser = OutputParser(reasoning, tools) if (tools or reasoning) else None
         self._num_calls = 0

@@ -98,3 +98,36 @@ async def test_auto_tool_calls_streamed_char_by_char_equal_the_whole_answer(
     assert chunks >= 4  # role, content and calls arrived in separate chunks
     assert [tuple(streamed[i]) for i in sorted(streamed)] == calls
     assert text == content and finish == "tool_calls"
+
+
+async def test_a_vllm_registered_parser_by_name(gateway: GatewayFactory) -> None:
+    """``--tool-call-parser pythonic``: not one of ours, so vLLM's parser of that name."""
+    from services.cluster.serve import check_backend_options
+    from services.config import ClusterConfig
+
+    check_backend_options(ClusterConfig().with_overrides({"gateway.tool_call_parser": "pythonic"}))
+    with pytest.raises(ValueError, match="no_such_parser"):
+        check_backend_options(
+            ClusterConfig().with_overrides({"gateway.tool_call_parser": "no_such_parser"})
+        )
+    script = '[get_weather(city="Oslo"), get_time(zone=2)]'
+    _, client = await gateway(
+        engine_factory=ScriptedFactory(script),
+        **{"workers.mode": "colocated", "gateway.tool_call_parser": "pythonic"},
+    )
+    whole = (await client.post("/v1/chat/completions", json=_body(False))).json()["choices"][0]
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in whole["message"]["tool_calls"]
+    ]
+    assert calls == [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": 2})]
+    assert whole["finish_reason"] == "tool_calls"
+    streamed: dict[int, list[str]] = {}
+    async with client.stream("POST", "/v1/chat/completions", json=_body(True)) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                for frag in json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") or []:
+                    call = streamed.setdefault(frag["index"], ["", ""])
+                    call[0] += frag["function"].get("name", "")
+                    call[1] += frag["function"].get("arguments", "")
+    assert [(n, json.loads(a)) for n, a in (streamed[i] for i in sorted(streamed))] == calls
