@@ -216,6 +216,8 @@ class FakeEngine:
     # -- the fake model ----------------------------------------------------------
     def _validate(self, request: EngineRequest) -> None:
         request.sampling.validate()
+        if request.sampling.top_k > _VOCAB:
+            raise InvalidRequestError(f"top_k must be at most {_VOCAB}", "top_k")
         if not request.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if len(request.prompt_token_ids) >= self._info.max_model_len:

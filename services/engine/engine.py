@@ -291,6 +291,11 @@ class LLMEngine:
         vocab = self._info.vocab_size
         if any(not 0 <= t < vocab for t in (*prompt, *message.output_token_ids)):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
+        if message.sampling.top_k > vocab:
+            raise InvalidRequestError(
+                f"top_k must be at most the vocabulary size ({vocab}), or -1/0 for off",
+                "top_k",
+            )
         if any(not 0 <= t < vocab for t in message.sampling.stop_token_ids):
             raise InvalidRequestError(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
         if any(not 0 <= t < vocab for t, _ in message.sampling.logit_bias):

@@ -114,7 +114,10 @@ def _auth_dependency(api_key: str | None) -> Any:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
+        # Bytes, not str: compare_digest refuses non-ASCII str (a 500), and a header may
+        # carry any byte.
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, api_key.encode()):
             raise Unauthorized("Incorrect API key provided.", None, "invalid_api_key")
 
     return check

@@ -166,15 +166,41 @@ class EngineLoop:
     # -- the loop ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._apply_commands()
-            self._progress_transfers()
-            outputs = self._step()
-            self._deliver(outputs)
-            self._publish_if_due()
+            try:
+                self._apply_commands()
+                self._progress_transfers()
+                outputs = self._step()
+                self._deliver(outputs)
+                self._publish_if_due()
+            except Exception as e:
+                self._recover(e)
+                continue
             if not outputs:
                 self._wait_for_work()
         if self._connector is not None:
             self._connector.close()
+
+    def _recover(self, error: Exception) -> None:
+        """An engine step (or a command) raised: the loop goes on.
+
+        The step's batch cannot be told apart, so every request in the engine fails with
+        INTERNAL; the gateway re-places each from its committed tokens (greedy text
+        unchanged) and the worker keeps serving.
+        """
+        log.exception(
+            "worker %s: engine loop error; failing its in-flight requests", self._worker_id
+        )
+        message = f"engine error: {type(error).__name__}: {error}"
+        for request_id in list(self._active):
+            try:
+                self._engine.abort(request_id)
+            except Exception:
+                log.exception("worker %s: abort of %s failed", self._worker_id, request_id)
+            self._fail(request_id, FailureKind.INTERNAL, message)
+        self._active.clear()
+        self._pulls.clear()
+        self._own_pulls.clear()
+        self._touch()
 
     def _step(self) -> list[RequestOutput]:
         if self._engine.has_unfinished():

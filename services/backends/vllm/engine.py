@@ -180,6 +180,10 @@ class VllmEngine:
                 f"model's context length ({self._info.max_model_len})",
                 "prompt",
             )
+        if request.sampling.top_k > self._info.vocab_size:
+            raise InvalidRequestError(
+                f"top_k must be at most the vocabulary size ({self._info.vocab_size})", "top_k"
+            )
         if request.request_id in self._tracked:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         params = self._sampling(request.sampling, len(known), len(tokens), request.prefill_only)

@@ -183,6 +183,11 @@ async def test_api_key(gateway: Any) -> None:
     ok = await client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
     assert ok.json()["data"][0]["id"] == MODEL
     assert (await client.get("/health")).status_code == 200  # probes need no key
+    # Non-ASCII bytes in the header: a 401 like any wrong key (it was a 500).
+    odd = await client.get(
+        "/v1/models", headers=[(b"authorization", "Bearer s\xe9kr\xebt".encode("latin-1"))]
+    )
+    assert odd.status_code == 401 and odd.json()["error"]["code"] == "invalid_api_key"
 
 
 async def test_oversized_body_is_413(gateway: Any) -> None:
