@@ -35,7 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if not args_list or args_list[0] in ("-h", "--help") else 2
     name = args_list[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    sub_parser = argparse.ArgumentParser(prog=f"baton {name}", description=SUBCOMMANDS[name][1])
+    # No prefix matching: a retired flag (--api-key) must fail, not match --api-key-file.
+    sub_parser = argparse.ArgumentParser(
+        prog=f"baton {name}", description=SUBCOMMANDS[name][1], allow_abbrev=False
+    )
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(args_list[1:])
     result: int | None = module.run(args)

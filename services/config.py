@@ -132,6 +132,9 @@ class GatewayConfig(_Section):
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     max_inflight_requests: int = Field(1024, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
+    max_sequences_per_request: int = Field(
+        64, ge=1, description="prompts x n in one request; more is a 400 naming n"
+    )
     tool_call_parser: str | None = Field(
         None,
         description="parse tool calls out of tool_choice=auto output: hermes, llama3_json, or any "

@@ -3,7 +3,7 @@
     baton serve --config deploy/configs/local.yaml [--model tiny|DIR] [--port 8000] ...
 
 Flags override the YAML; ``BATON_API_KEY`` is read here (and only here) when
-``--api-key`` is not given. The process serves until SIGINT/SIGTERM, then
+``--api-key-file`` is not given (the key never goes on the command line, where ``ps`` shows it). The process serves until SIGINT/SIGTERM, then
 drains: the gateway stops, the workers are shut down, Ray is stopped.
 """
 
@@ -40,7 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["embedded", "vllm"], help="engine backend")
     parser.add_argument("--kv-backend", choices=["nixl", "torch", "local"])
     parser.add_argument("--policy", help="router policy (round_robin, slo_goodput, ...)")
-    parser.add_argument("--api-key", help="require this bearer key (default: $BATON_API_KEY)")
+    parser.add_argument(
+        "--api-key-file",
+        help="require the bearer key in this file (default: $BATON_API_KEY); never a key "
+        "on the command line, where any user's ps shows it",
+    )
     parser.add_argument(
         "--tool-call-parser", help="hermes, llama3_json, or any of vLLM's registered tool parsers"
     )
@@ -60,7 +64,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
             "model.dtype": args.dtype,
             "gateway.host": args.host,
             "gateway.port": args.port,
-            "gateway.api_key": args.api_key or environ.get("BATON_API_KEY") or None,
+            "gateway.api_key": _api_key(args.api_key_file, environ),
             "gateway.tool_call_parser": args.tool_call_parser,
             "gateway.reasoning_parser": args.reasoning_parser,
             "workers.prefill": args.prefill,
@@ -72,6 +76,16 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
             "router.policy": args.policy,
         }
     )
+
+
+def _api_key(path: str | None, environ: dict[str, str]) -> str | None:
+    if path:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file is empty")
+        return key
+    return environ.get("BATON_API_KEY") or None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -91,16 +91,33 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         check_model(body.model)
         check_fields(body)
         ready()
+        check_sequences(body)
         if body.has_images():
             raise BadRequest("this model does not accept images", "messages")
         prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages(), body.template_tools())
         return await respond(svc, prepare_chat(svc, body, prompt), request)
+
+    def check_sequences(body: ChatCompletionRequest | CompletionRequest) -> None:
+        prompt = getattr(body, "prompt", None)
+        num_prompts = (
+            len(prompt)
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+            else 1
+        )
+        cap = svc.settings.gateway.max_sequences_per_request
+        if num_prompts * body.n > cap:
+            raise BadRequest(
+                f"{num_prompts} prompt(s) x n={body.n} = {num_prompts * body.n} sequences; "
+                f"at most {cap} per request (gateway.max_sequences_per_request)",
+                "n",
+            )
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
         check_fields(body)
         ready()
+        check_sequences(body)  # before tokenizing: a huge fan-out must not hold the loop
         prompts = text_prompt_ids(svc.tokenizer, body.prompt)
         return await respond(svc, prepare_completion(svc, body, prompts), request)
 

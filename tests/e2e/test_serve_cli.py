@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -15,16 +16,20 @@ pytestmark = pytest.mark.slow
 
 
 def test_make_serve_config_answers_a_chat_completion() -> None:
-    """What ``make serve`` runs, on a fresh Ray: ready, answers, stops cleanly on SIGTERM."""
+    """What ``make serve`` runs, on a fresh Ray: ready, answers, stops cleanly on SIGTERM.
+    With a key (from the environment): no process shows it in its arguments."""
     args = ["--config", "deploy/configs/local.yaml"]
-    with baton_serve(args, serve_env(), ready_s=90) as base:
+    key = "sk-never-in-argv-" + os.urandom(6).hex()
+    with baton_serve(args, serve_env(BATON_API_KEY=key), ready_s=90) as base:
+        cmdlines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if _readable(p)]
+        assert any(b"services.cli" in c and b"serve" in c for c in cmdlines)
+        assert not any(key.encode() in c for c in cmdlines)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        assert httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60).status_code == 401
         r = httpx.post(
             f"{base}/v1/chat/completions",
-            json={
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 8,
-            },
+            json=chat,
+            headers={"Authorization": f"Bearer {key}"},
             timeout=60,
         )
         assert r.status_code == 200, r.text
@@ -32,6 +37,14 @@ def test_make_serve_config_answers_a_chat_completion() -> None:
         assert body["object"] == "chat.completion"
         assert body["usage"]["completion_tokens"] >= 1
         assert body["choices"][0]["message"]["role"] == "assistant"
+
+
+def _readable(path: Path) -> bool:
+    try:
+        path.read_bytes()
+    except OSError:  # a process that ended meanwhile
+        return False
+    return True
 
 
 def test_model_folder_greedy_equals_transformers(ray_cluster: str, tmp_path: Path) -> None:

@@ -250,3 +250,15 @@ async def test_every_policy_places_requests_on_a_2p2d_cluster(gateway: Any, poli
         assert r.status_code == 200, r.text
         texts.add(r.json()["choices"][0]["text"])
     assert len(texts) == 1  # same text whichever workers served it
+
+
+async def test_prompts_times_n_is_capped_before_any_work(gateway: Any) -> None:
+    _, client = await gateway(**{"gateway.max_sequences_per_request": 64})
+    body = {"model": MODEL, "prompt": ["hi"] * 9, "n": 8, "max_tokens": 2}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "72 sequences" in r.json()["error"]["message"]
+    ok = await client.post("/v1/completions", json={**body, "prompt": ["hi"] * 8})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 64
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 65}
+    assert (await client.post("/v1/chat/completions", json=chat)).json()["error"]["param"] == "n"

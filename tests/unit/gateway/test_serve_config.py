@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from services.cluster.specs import worker_specs
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)  # as services/cli.py builds it
     add_arguments(parser)
     return parser.parse_args(list(argv))
 
@@ -40,12 +41,18 @@ def test_colocated_mode_makes_mixed_workers_without_connectors() -> None:
     assert all(s.connector_factory is None for s in specs)
 
 
-def test_api_key_from_flag_or_environment() -> None:
+def test_api_key_from_a_file_or_the_environment_never_a_flag(tmp_path: Path) -> None:
     assert build_config(parse(), {"BATON_API_KEY": "env-key"}).gateway.api_key == "env-key"
-    assert (
-        build_config(parse("--api-key", "flag"), {"BATON_API_KEY": "e"}).gateway.api_key == "flag"
-    )
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    args = parse("--api-key-file", str(key_file))
+    assert build_config(args, {"BATON_API_KEY": "e"}).gateway.api_key == "from-file"
     assert build_config(parse(), {}).gateway.api_key is None
+    with pytest.raises(SystemExit):  # a key on the command line is not accepted at all
+        parse("--api-key", "sekret")
+    key_file.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        build_config(parse("--api-key-file", str(key_file)), {})
 
 
 def test_invalid_combination_is_refused() -> None:
