@@ -9,9 +9,10 @@ __all__ = ["advertised_host"]
 
 
 def advertised_host() -> str:
-    """``BATON_NODE_IP`` or ``POD_IP`` when set (Kubernetes), else the address of the
-    interface that routes off this machine; 127.0.0.1 only when there is none."""
-    configured = os.environ.get("BATON_NODE_IP") or os.environ.get("POD_IP")
+    """``BATON_NODE_IP``, or the pod's IP the chart passes as ``BATON_POD_IP``, when set;
+    else the address of the interface that routes off this machine (127.0.0.1 only when
+    there is none)."""
+    configured = os.environ.get("BATON_NODE_IP") or os.environ.get("BATON_POD_IP")
     if configured:
         return configured
     try:

@@ -163,6 +163,15 @@ args: dict "resources" "gpus" "rdma" (the rdma values, or nil)
 {{- end }}
 - name: HF_HOME
   value: /tmp/hf
+{{- if $v.rayAuth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "baton.rayTokenSecret" .root }}
+      key: {{ $v.rayAuth.key }}
+{{- end }}
 {{- with $v.nixl.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -300,4 +309,9 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* The Secret holding the Ray auth token: the given one, or the chart's own. */}}
+{{- define "baton.rayTokenSecret" -}}
+{{- default (printf "%s-ray-token" (include "baton.fullname" .)) .Values.rayAuth.existingSecret -}}
 {{- end -}}

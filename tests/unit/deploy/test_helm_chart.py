@@ -161,10 +161,13 @@ def test_workers_get_pod_ip_and_nixl_env_from_the_downward_api(
         for var in ("BATON_POD_IP", "VLLM_NIXL_SIDE_CHANNEL_HOST"):
             assert env[var]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["BATON_ROLE"]["value"] == pod.role
-        if ucx_tls := values.get("nixl", {}).get("ucxTls"):
-            assert env["UCX_TLS"]["value"] == ucx_tls
-        else:
-            assert "UCX_TLS" not in env
+        # UCX_TLS is always explicit: the value set's, else the chart's default.
+        ucx_tls = values.get("nixl", {}).get("ucxTls", "tcp,sm,self,cuda_copy,cuda_ipc")
+        assert env["UCX_TLS"]["value"] == ucx_tls
+        # Ray token authentication on every pod, from one Secret, so pods join and
+        # nothing outside the release can submit work.
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -499,3 +502,37 @@ def test_cpu_worker_groups_ask_for_no_gpus(render_fn: Any) -> None:
     values = {"prefill": {"gpus": 0}, "decode": {"gpus": 0}}
     config = _rendered_config(render_fn(values))
     assert gpus_per_worker(config, Role.DECODE, cluster_has_gpus=True) == 0
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_ray_token_secret_and_no_dashboard_outside_the_pod(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    secrets = {d["metadata"]["name"]: d for d in by_kind(docs, "Secret")}
+    refs = {
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for pod in pods(docs)
+        for e in pod.main["env"]
+        if e["name"] == "RAY_AUTH_TOKEN"
+    }
+    assert len(refs) == 1  # head and workers share one token
+    (ref,) = refs
+    assert len(secrets[ref]["data"]["token"]) >= 48  # created by the chart, base64
+    spec = one(docs, "RayCluster")["spec"]["headGroupSpec"]
+    assert spec["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    ports = [p for pod in pods(docs) for c in pod.spec["containers"] for p in c.get("ports", [])]
+    assert not any(p["containerPort"] == 8265 for p in ports)
+    for service in by_kind(docs, "Service"):
+        assert all(p["port"] != 8265 for p in service["spec"]["ports"])
+
+
+def test_a_given_ray_token_secret_is_used_and_none_is_created(render_fn: Any) -> None:
+    docs = render_fn({"rayAuth": {"existingSecret": "my-ray-token", "key": "t"}})
+    assert not by_kind(docs, "Secret")
+    for pod in pods(docs):
+        env = {e["name"]: e for e in pod.main["env"]}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "my-ray-token",
+            "key": "t",
+        }
