@@ -58,6 +58,9 @@ class ExecutorConfig:
     max_hold_s: float = 5.0
     max_attempts: int = 3
     hold_poll_s: float = 0.01
+    # How long a re-placed request (its stream already started) waits for room; it is
+    # never refused for its age, only when no worker could take it in this long.
+    replace_hold_s: float = 60.0
 
 
 class _AttemptFailed(Exception):
@@ -120,7 +123,8 @@ class PlanExecutor:
         generated: list[int] = []
         for attempt in range(self._config.max_attempts):
             attempt_id = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
-            plan = await self._place(profile)
+            placing = profile if attempt == 0 else _replaced(profile, len(generated))
+            plan = await self._place(placing, replaced=attempt > 0)
             if attempt == 0:
                 self._metrics.stage_s.labels("queue").observe(time.monotonic() - arrival_s)
             stream = self._execute(plan, attempt_id, prompt_token_ids, tuple(generated), sampling)
@@ -151,8 +155,11 @@ class PlanExecutor:
         return tuple(compute_block_hashes(prompt, block_size))
 
     # -- placement ----------------------------------------------------------------------
-    async def _place(self, profile: RequestProfile) -> Plan:
-        deadline_s = time.monotonic() + self._config.max_hold_s
+    async def _place(self, profile: RequestProfile, *, replaced: bool = False) -> Plan:
+        """A plan for ``profile``; a re-placed request (``replaced``) holds on any
+        rejection until room appears (``replace_hold_s``): its stream has started."""
+        hold_s = self._config.replace_hold_s if replaced else self._config.max_hold_s
+        deadline_s = time.monotonic() + hold_s
         while True:
             now_s = time.monotonic()
             decision = self._policy.plan(profile, self._state.view(), now_s)
@@ -162,6 +169,8 @@ class PlanExecutor:
             match decision:
                 case Plan() if self._plan_is_live(decision):
                     return decision
+                case Reject() if replaced and time.monotonic() < deadline_s:
+                    await asyncio.sleep(self._config.hold_poll_s)
                 case Reject(hold=True) | Plan() if time.monotonic() < deadline_s:
                     await asyncio.sleep(self._config.hold_poll_s)
                 case Reject(reason=reason, retry_after_s=retry_after_s, retryable=retryable):
@@ -301,6 +310,23 @@ class PlanExecutor:
             aclose = getattr(events, "aclose", None) if events is not None else None
             if aclose is not None:
                 await aclose()
+
+
+def _replaced(profile: RequestProfile, num_generated: int) -> RequestProfile:
+    """The profile of a request placed again after a failure: it continues from its
+    committed tokens (prompt + output so far are prefilled again) and is judged afresh,
+    with no time-to-first-token target (its first token was sent long ago) and the
+    arrival set to now, so no policy refuses it for its age."""
+    num_tokens = profile.num_prompt_tokens + num_generated
+    return replace(
+        profile,
+        num_prompt_tokens=num_tokens,
+        num_new_tokens=num_tokens,
+        max_tokens=max(1, profile.max_tokens - num_generated),
+        slo=SLO(ttft_s=None, tpot_s=profile.slo.tpot_s),
+        arrival_s=time.monotonic(),
+        prefix_hashes=(),
+    )
 
 
 def _detokenize(

@@ -176,3 +176,57 @@ async def test_stop_string_seen_at_the_gateway_ends_the_stream_and_aborts() -> N
     assert "".join(x.text for x in out) == "a"
     assert out[-1].finish_reason is FinishReason.STOP
     assert w.aborted == ["r"]  # the worker did not finish on its own: told to stop
+
+
+class AgeJudgingPolicy:
+    """round_robin that refuses a request older than its TTFT target (a fake: tests only)."""
+
+    def __init__(self) -> None:
+        self.inner = make_policy("round_robin")
+        self.rejected = 0
+
+    def plan(self, profile: Any, view: Any, now_s: float) -> Any:
+        from router.types import Reject
+
+        ttft = profile.slo.ttft_s
+        if ttft is not None and now_s - profile.arrival_s > ttft:
+            self.rejected += 1
+            return Reject("ttft target unreachable")
+        return self.inner.plan(profile, view, now_s)
+
+
+async def test_a_re_placed_request_is_never_refused_for_its_age() -> None:
+    """A decode worker dies after the TTFT target has passed: the continuation is placed
+    anyway (judged afresh, from its committed tokens) and the client's stream completes."""
+    import asyncio
+    import time
+
+    from router.types import SLO
+
+    class SlowDyingWorker(ScriptedWorker):
+        async def generate(self, job: Job) -> AsyncIterator[WorkerEvent]:
+            self.jobs.append(job)
+            yield delta(B)
+            await asyncio.sleep(0.2)  # the request is now older than its 50 ms TTFT target
+            raise WorkerDiedError(self.worker_id)
+
+    p = ScriptedWorker(
+        "p",
+        lambda job: (
+            prefill_script(job)
+            if job.request.prefill_only
+            else [delta(C), delta(D, FinishReason.LENGTH)]
+        ),
+    )
+    d = SlowDyingWorker("d", lambda job: [])
+    executor, _, died = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    policy = AgeJudgingPolicy()
+    executor._policy = policy  # type: ignore[assignment]
+    sampling = SamplingParams(max_tokens=4, temperature=0.0)
+    slo = SLO(ttft_s=0.05)
+    out = [x async for x in executor.run("r", PROMPT, sampling, time.monotonic(), slo=slo)]
+    assert "".join(x.text for x in out) == "abcd" and died == ["d"]
+    assert policy.rejected == 0
+    # A new request that old is still refused: only re-placements are exempt.
+    with pytest.raises(Exception, match="ttft target unreachable"):
+        await anext(executor.run("r2", PROMPT, sampling, time.monotonic() - 1.0, slo=slo))
