@@ -23,12 +23,12 @@ import torch
 
 from kvtransfer.types import KVLayout
 from services.engine.messages import (
-    EngineError,
     EngineRequest,
     EngineStats,
     FinishReason,
     HeldKV,
     InvalidRequestError,
+    NoRoomError,
     RequestOutput,
     RunningRequestStats,
     StepStats,
@@ -198,7 +198,7 @@ class FakeEngine:
             raise InvalidRequestError("an adopted request needs its first token", "request")
         seq = self._new_seq(request)
         if not self._ensure_blocks(seq, seq.num_prompt):
-            raise EngineError("no free KV blocks to adopt the request")
+            raise NoRoomError("no free KV blocks to adopt the request")
         self._adopting[request.request_id] = seq
         return list(seq.block_ids)
 

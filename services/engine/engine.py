@@ -29,6 +29,7 @@ from services.engine.messages import (
     FinishReason,
     HeldKV,
     InvalidRequestError,
+    NoRoomError,
     RequestOutput,
     StepStats,
     TokenLogprob,
@@ -137,7 +138,7 @@ class LLMEngine:
             )
         num_blocks = self.block_manager.blocks_needed(len(request.prompt_token_ids))
         if num_blocks > self.block_manager.num_free_blocks:
-            raise InvalidRequestError(
+            raise NoRoomError(
                 f"no room to adopt: {num_blocks} blocks needed, "
                 f"{self.block_manager.num_free_blocks} free"
             )

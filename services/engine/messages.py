@@ -17,6 +17,7 @@ __all__ = [
     "HeldKV",
     "InvalidRequestError",
     "ModelLoadError",
+    "NoRoomError",
     "RequestOutput",
     "RunningRequestStats",
     "SamplingParams",
@@ -32,6 +33,7 @@ class EngineError(Exception):
 
     EngineError
      ├── InvalidRequestError     bad request (too long, max_tokens <= 0, ...): HTTP 400
+     ├── NoRoomError             no KV room to adopt now: the gateway re-places it
      ├── ModelLoadError          folder missing weights/config, unreadable files
      │    └── UnsupportedModelError   architecture we do not implement
     """
@@ -41,6 +43,10 @@ class InvalidRequestError(EngineError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class NoRoomError(EngineError):
+    """No KV room for this request now (adopt): not the request's fault; place it elsewhere."""
 
 
 class ModelLoadError(EngineError):
