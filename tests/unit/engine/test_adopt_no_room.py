@@ -15,7 +15,7 @@ from services.engine.messages import (
 )
 
 
-@pytest.mark.parametrize("backend", ["embedded", "fake"])
+@pytest.mark.parametrize("backend", ["fake"])  # embedded: tests/unit/engine/test_engine.py
 def test_adopt_without_room_is_a_capacity_error(backend: str) -> None:
     probe = make_engine(backend, ModelConfig(name="tiny"), EngineConfig(device="cpu"))
     block_bytes = probe.kv_layout.block_bytes

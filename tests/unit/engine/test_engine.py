@@ -11,6 +11,7 @@ from services.engine.messages import (
     EngineRequest,
     FinishReason,
     InvalidRequestError,
+    NoRoomError,
     SamplingParams,
 )
 from tests.unit.engine.engine_helpers import greedy, make_engine, run_all, serve, tokens_of
@@ -99,8 +100,10 @@ def test_adopt_refuses_what_does_not_fit_and_abort_frees_adopted_blocks() -> Non
     engine = make_engine(block_size=BS, kv_cache_bytes=4 * 2 * 2 * 2 * BS * 16 * 4)
     assert engine.stats().num_total_blocks == 4
     big = EngineRequest("big", prompt(20), greedy(4), output_token_ids=(5,))
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(NoRoomError) as no_room:  # capacity, re-placed; never a 400
         engine.adopt(big)
+    assert not isinstance(no_room.value, InvalidRequestError)
+    assert engine.stats().num_free_blocks == 4
     ids = engine.adopt(EngineRequest("ok", prompt(8), greedy(4), output_token_ids=(5,)))
     assert len(ids) == 2 and engine.stats().num_free_blocks == 2
     engine.abort("ok")
