@@ -133,6 +133,7 @@ class EngineLoop:
         self._dirty_since_s = 0.0
         if connector is not None:
             connector.register(KV_REGION, engine.kv_storage, engine.kv_layout)
+        self._beat_s = time.monotonic()  # the loop's heartbeat: set every iteration
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
 
     # -- called from any thread ------------------------------------------------
@@ -143,6 +144,12 @@ class EngineLoop:
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout=5)
+
+    def stalled_for_s(self) -> float:
+        """Seconds since the loop last went round (inf once its thread has ended)."""
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return float("inf")
+        return time.monotonic() - self._beat_s
 
     def submit(self, job: Job) -> None:
         self._put(_Submit(job))
@@ -166,6 +173,7 @@ class EngineLoop:
     # -- the loop ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self._beat_s = time.monotonic()
             try:
                 self._apply_commands()
                 self._progress_transfers()

@@ -35,7 +35,11 @@ from services.workers.messages import (
     WorkerSnapshot,
 )
 
-__all__ = ["Worker", "WorkerSpec"]
+__all__ = ["EngineStalledError", "Worker", "WorkerSpec"]
+
+
+class EngineStalledError(RuntimeError):
+    """The worker's engine loop stopped beating (a hung step, or its thread ended)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,9 @@ class WorkerSpec:
     telemetry_interval_s: float = 0.1
     max_num_seqs: int = 256
     num_gpus: float | None = None  # GPUs the worker's actor asks Ray for (None: the launcher's)
+    # An engine loop whose heartbeat is older than this (stuck in a step, or dead) fails
+    # the controller's pings, and the controller replaces the worker.
+    stall_timeout_s: float = 60.0
 
 
 class Worker:
@@ -56,6 +63,7 @@ class Worker:
         self.worker_id = spec.worker_id
         self._role = spec.role
         self._draining = False
+        self._stall_timeout_s = spec.stall_timeout_s
         engine = spec.engine_factory()
         # Optional engine capability: thread-safe per-request work done before the
         # request reaches the engine loop (compiling its grammar), so that a slow
@@ -136,6 +144,12 @@ class Worker:
         return await asyncio.wrap_future(self._loop.snapshot())
 
     async def ping(self) -> str:
+        """Liveness: the actor answers *and* its engine loop is beating."""
+        stalled_s = self._loop.stalled_for_s()
+        if stalled_s > self._stall_timeout_s:
+            raise EngineStalledError(
+                f"worker {self.worker_id}: engine loop silent for {stalled_s:.1f} s"
+            )
         return self.worker_id
 
     async def role(self) -> Role:

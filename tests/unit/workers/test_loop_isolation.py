@@ -4,6 +4,8 @@ in the engine (the gateway re-places them), and the worker goes on serving."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -47,5 +49,32 @@ async def test_a_step_that_raises_fails_its_requests_and_the_worker_keeps_servin
         assert sum(len(e.token_ids) for e in after) == 6
         snapshot = await worker.snapshot()
         assert snapshot.num_used_blocks == 0  # the failed request's blocks were freed
+    finally:
+        await worker.shutdown()
+
+
+class HangingFakeEngine(FakeEngine):
+    """A fake whose step hangs for a while once a request named ``hang`` is in it."""
+
+    def step(self) -> Any:
+        if any(s.request.request_id == "hang" for s in (*self._waiting, *self._running)):
+            time.sleep(1.5)
+        return super().step()
+
+
+async def test_a_hung_engine_loop_fails_the_liveness_ping() -> None:
+    from services.workers.worker import EngineStalledError
+
+    spec = WorkerSpec("w", Role.MIXED, HangingFakeEngine, telemetry_interval_s=0.05)
+    worker = Worker(dataclasses.replace(spec, stall_timeout_s=0.3))
+    try:
+        assert await worker.ping() == "w"  # idle: the loop beats between waits
+        stream = worker.generate(Generate(_request("hang", 4)))
+        pending = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.6)
+        with pytest.raises(EngineStalledError, match="silent"):
+            await worker.ping()
+        await pending
+        await stream.aclose()
     finally:
         await worker.shutdown()
