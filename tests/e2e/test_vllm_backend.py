@@ -18,7 +18,7 @@ import yaml
 from openai import AsyncOpenAI
 
 from services.workers.messages import WorkerSnapshot
-from tests.support.cluster import real_service, tiny_config
+from tests.support.cluster import real_service, tiny_config, worker_snapshots
 from tests.support.serve_cli import baton_serve, serve_env
 from tests.support.server import ServedGateway
 from tests.support.vllm import build_vllm_checkpoint
@@ -127,18 +127,6 @@ def disaggregated(checkpoint: Path, ray_cluster: str) -> Iterator[ServedGateway]
         yield server
 
 
-def _snapshots(server: ServedGateway) -> dict[str, WorkerSnapshot]:
-    async def fresh() -> dict[str, WorkerSnapshot]:
-        out = {}
-        for worker_id in server.svc.controller.workers():
-            client = server.svc.controller.client(worker_id)
-            assert client is not None
-            out[worker_id] = await client.snapshot()
-        return out
-
-    return server.call(fresh())
-
-
 async def _stream_all(base_url: str) -> list[str]:
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -162,7 +150,7 @@ async def _stream_all(base_url: str) -> list[str]:
 def _wait_until_idle(server: ServedGateway, within_s: float) -> dict[str, WorkerSnapshot]:
     deadline = time.monotonic() + within_s
     while True:
-        snaps = _snapshots(server)
+        snaps = worker_snapshots(server)
         if all(s.num_held_blocks == 0 and s.num_used_blocks == 0 for s in snaps.values()):
             return snaps
         assert time.monotonic() < deadline, {
@@ -232,7 +220,7 @@ def test_hang_up_after_the_first_token_frees_the_prefill_blocks_within_the_lease
     _wait_until_idle(disaggregated, LEASE_S + 3)
     disaggregated.call(hang_up())
     hung_up_s = time.monotonic()
-    held = _snapshots(disaggregated)["prefill-0"].num_held_blocks
+    held = worker_snapshots(disaggregated)["prefill-0"].num_held_blocks
     assert held >= 1  # nobody pulled: the prompt's blocks wait for a decoder
     _wait_until_idle(disaggregated, LEASE_S + 3)
     assert time.monotonic() - hung_up_s >= LEASE_S - 0.5  # freed by the lease, not before

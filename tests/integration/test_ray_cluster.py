@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from services.engine.messages import SamplingParams
-from services.workers.messages import TokenDelta, WorkerSnapshot
-from tests.support.cluster import real_service, tiny_config
+from services.workers.messages import TokenDelta
+from tests.support.cluster import real_service, tiny_config, worker_snapshots
 from tests.support.server import ServedGateway
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -58,18 +58,6 @@ async def _complete_all(base_url: str) -> list[str]:
         return await asyncio.gather(*(one(p, n) for p, n in PROMPTS))
 
 
-def _snapshots(server: ServedGateway) -> dict[str, WorkerSnapshot]:
-    async def fresh() -> dict[str, WorkerSnapshot]:
-        out = {}
-        for worker_id in server.svc.controller.workers():
-            client = server.svc.controller.client(worker_id)
-            assert client is not None
-            out[worker_id] = await client.snapshot()
-        return out
-
-    return server.call(fresh())
-
-
 @pytest.mark.parametrize("backend", ["nixl", "torch"])
 def test_disaggregated_text_equals_colocated(
     backend: str, colocated: ServedGateway, request: pytest.FixtureRequest
@@ -87,7 +75,7 @@ def test_disaggregated_text_equals_colocated(
 
 def test_requests_spread_across_all_four_workers(nixl_2p2d: ServedGateway) -> None:
     asyncio.run(_complete_all(nixl_2p2d.base_url))
-    finished = {w: s.num_finished_requests for w, s in _snapshots(nixl_2p2d).items()}
+    finished = {w: s.num_finished_requests for w, s in worker_snapshots(nixl_2p2d).items()}
     assert set(finished) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
     assert all(n >= 4 for n in finished.values()), finished
 
@@ -115,10 +103,10 @@ async def _hang_up_after(base_url: str, num_chunks: int) -> None:
 def test_hang_up_mid_stream_frees_every_block(nixl_2p2d: ServedGateway) -> None:
     asyncio.run(asyncio.wait_for(_hang_up_after(nixl_2p2d.base_url, 5), 60))
     time.sleep(0.5)
-    busy = {w: len(s.running) for w, s in _snapshots(nixl_2p2d).items() if s.running}
+    busy = {w: len(s.running) for w, s in worker_snapshots(nixl_2p2d).items() if s.running}
     assert not busy, f"aborted request still running: {busy}"
     time.sleep(2.5)  # past the 2 s lease: nothing may stay held
-    for worker_id, s in _snapshots(nixl_2p2d).items():
+    for worker_id, s in worker_snapshots(nixl_2p2d).items():
         assert s.num_held_blocks == 0, worker_id
         assert s.num_used_blocks == 0, (worker_id, s.num_used_blocks)
         assert s.num_pending_pulls == 0 and not s.waiting_prompt_lens

@@ -41,3 +41,18 @@ def real_service(config: ClusterConfig, *, ray: bool, replace_dead: bool = False
         launcher or launch_in_process,
         controller_config=ControllerConfig(replace_dead=replace_dead),
     )
+
+
+def worker_snapshots(server: Any) -> dict[str, Any]:
+    """A fresh snapshot of every worker of a served gateway (tests.support.server)."""
+
+    async def fresh() -> dict[str, Any]:
+        out = {}
+        for worker_id in server.svc.controller.workers():
+            client = server.svc.controller.client(worker_id)
+            assert client is not None
+            out[worker_id] = await client.snapshot()
+        return out
+
+    result: dict[str, Any] = server.call(fresh())
+    return result
