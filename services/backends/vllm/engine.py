@@ -98,7 +98,6 @@ class _Tracked:
     num_prior_outputs: int  # output tokens generated before this engine saw the request
     drop_first: bool  # a decode continuation: vLLM regenerates the token already streamed
     num_generated: int = 0  # tokens delivered from this engine
-    finished: bool = False
 
 
 class VllmEngine:
@@ -110,11 +109,9 @@ class VllmEngine:
     # text), so vLLM is asked for no text and no stop-string matching.
     emits_text = False
 
-    def __init__(self, llm: Any, name: str, *, peer_kv: bool) -> None:
+    def __init__(self, llm: Any, name: str) -> None:
         self._llm = llm
-        self._peer_kv = peer_kv
         model_config = llm.vllm_config.model_config
-        hf = model_config.hf_text_config
         cache = llm.vllm_config.cache_config
         tokenizer = llm.get_tokenizer()
         eos = tokenizer.eos_token_id
@@ -132,7 +129,6 @@ class VllmEngine:
             dtype=str(model_config.dtype).removeprefix("torch."),
             device="cpu" if llm.vllm_config.device_config.device_type == "cpu" else "cuda",
         )
-        del hf
         self._tokenizer = tokenizer
         self._tracked: dict[str, _Tracked] = {}
         # A finished prefill-only request -> (vLLM's id for it, blocks it holds)
@@ -307,7 +303,6 @@ class VllmEngine:
             )
             self._held[request.request_id] = (tracked.internal_id, num_blocks)
         if out.finished:
-            tracked.finished = True
             del self._tracked[request.request_id]
             if finish is not FinishReason.PREFILLED:
                 self._recent_output_lens.append(tracked.num_prior_outputs + tracked.num_generated)
@@ -513,4 +508,4 @@ def make_vllm_engine(
         llm = LLMEngine.from_engine_args(engine_args)
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"vLLM could not start on {model_cfg.name!r}: {e}") from e
-    return VllmEngine(llm, name, peer_kv=kv_lease_s is not None)
+    return VllmEngine(llm, name)
