@@ -131,9 +131,30 @@ class GatewayConfig(_Section):
     api_key: str | None = None
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     max_inflight_requests: int = Field(1024, ge=1)
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="a request's whole life; past it: 504, or an error event"
+    )
     max_sequences_per_request: int = Field(
         64, ge=1, description="prompts x n in one request; more is a 400 naming n"
+    )
+    max_stop_strings: int = Field(16, ge=1, description="stop strings per request; more is a 400")
+    max_stop_string_chars: int = Field(
+        1024, ge=1, description="characters in one stop string; longer is a 400"
+    )
+    max_header_bytes: int = Field(
+        32 * 2**10, ge=1024, description="request line + headers; more is a 431"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a connection's next request headers must arrive within this"
+    )
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="idle keep-alive connections close")
+    max_connections: int = Field(
+        2048, ge=1, description="open HTTP connections; a request on one past it gets a 503"
+    )
+    stream_write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a stream whose client reads nothing this long is cut, its request aborted",
     )
     tool_call_parser: str | None = Field(
         None,

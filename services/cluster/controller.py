@@ -6,7 +6,10 @@
     ping          every ``ping_interval_s`` each ready worker must answer within
                   ``ping_timeout_s`` (a hung engine loop, a lost node)
     down          remove from the registry, tell ``on_worker_down``, kill what
-                  is left of it, launch a replacement with the same role
+                  is left of it, launch a replacement with the same role: at once
+                  the first time, then with a doubling backoff while the same
+                  slot keeps crashing (``restart_backoff_s`` .. ``max_restart_backoff_s``)
+    readiness     every worker slot as ready, starting or down (``/ready``)
     set_role      drain a worker and switch its role (the P/D planner's lever)
 
 A worker that died is noticed within about a second either way.
@@ -17,15 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from router.types import Role
 from services.workers.client import WorkerClient, WorkerDiedError
 from services.workers.messages import WorkerSnapshot
 from services.workers.worker import WorkerSpec
 
-__all__ = ["Controller", "ControllerConfig", "Launcher"]
+__all__ = ["Controller", "ControllerConfig", "Launcher", "WorkerReadiness"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,30 @@ class ControllerConfig:
     ping_misses_to_down: int = 3
     replace_dead: bool = True
     ready_timeout_s: float = 300.0
+    # A slot whose worker crashes again within crash_window_s of its last crash is
+    # restarted after restart_backoff_s, doubled per crash, at most max_restart_backoff_s.
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+    crash_window_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReadiness:
+    """One worker slot as ``/ready`` reports it."""
+
+    worker_id: str
+    role: Role
+    state: Literal["ready", "starting", "down"]
+    reason: str | None = None  # why it went down
+    since_s: float = 0.0  # wall-clock time of the last change
+
+
+@dataclass(slots=True)
+class _Crashes:
+    """A slot's recent crashes: how many in a row (within the window), the last one."""
+
+    count: int = 0
+    last_s: float = field(default=-float("inf"))
 
 
 @dataclass(slots=True)
@@ -51,6 +80,7 @@ class _Entry:
     ready: asyncio.Event
     watch: asyncio.Task[None] | None = None
     missed_pings: int = 0
+    since_s: float = field(default_factory=time.time)
 
 
 class Controller:
@@ -70,6 +100,9 @@ class Controller:
         self._config = config or ControllerConfig()
         self._entries: dict[str, _Entry] = {}
         self._generation: dict[str, int] = {}
+        self._crashes: dict[str, _Crashes] = {}  # slot (base worker id) -> crashes
+        self._down_slots: dict[str, WorkerReadiness] = {}  # slot -> until its successor is up
+        self._restarts: list[asyncio.TimerHandle] = []
         self._ping_task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -90,6 +123,8 @@ class Controller:
             tasks.append(self._ping_task)
         for task in tasks:
             task.cancel()
+        for restart in self._restarts:
+            restart.cancel()
         for entry in list(self._entries.values()):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(entry.client.shutdown(), 5.0)
@@ -107,6 +142,19 @@ class Controller:
 
     def is_ready(self) -> bool:
         return bool(self._entries) and all(e.ready.is_set() for e in self._entries.values())
+
+    def readiness(self) -> list[WorkerReadiness]:
+        """Every slot: its live worker (ready or starting) or, until a successor is up,
+        the worker that went down and why."""
+        out = [
+            WorkerReadiness(
+                wid, e.spec.role, "ready" if e.ready.is_set() else "starting", None, e.since_s
+            )
+            for wid, e in self._entries.items()
+        ]
+        up = {_slot(w.worker_id) for w in out if w.state == "ready"}
+        out += [d for slot, d in self._down_slots.items() if slot not in up]
+        return sorted(out, key=lambda w: w.worker_id)
 
     def report_dead(self, worker_id: str) -> None:
         """Someone saw the worker die (a stream raised WorkerDiedError)."""
@@ -129,7 +177,10 @@ class Controller:
         reason = "telemetry stream ended"
         try:
             async for snapshot in entry.client.telemetry():
-                entry.ready.set()
+                if not entry.ready.is_set():
+                    entry.ready.set()
+                    entry.since_s = time.time()
+                    self._down_slots.pop(_slot(worker_id), None)
                 self._on_snapshot(snapshot)
         except WorkerDiedError as e:
             reason = str(e)
@@ -164,12 +215,44 @@ class Controller:
         if entry.watch is not None and entry.watch is not asyncio.current_task():
             entry.watch.cancel()
         entry.client.kill()
+        slot = _slot(worker_id)
+        self._down_slots[slot] = WorkerReadiness(
+            worker_id, entry.spec.role, "down", reason, time.time()
+        )
         self._on_worker_down(worker_id, entry.spec.role)
-        if self._config.replace_dead:
-            self._start_worker(self._successor(entry.spec))
+        if not self._config.replace_dead:
+            return
+        successor = self._successor(entry.spec)
+        delay_s = self._restart_delay_s(slot)
+        if delay_s <= 0:
+            self._start_worker(successor)
+            return
+        log.warning("slot %s crashed again; restarting it in %.1f s", slot, delay_s)
+        loop = asyncio.get_running_loop()
+        self._restarts.append(loop.call_later(delay_s, self._restart, successor))
+
+    def _restart(self, spec: WorkerSpec) -> None:
+        if not self._stopping:
+            self._start_worker(spec)
+
+    def _restart_delay_s(self, slot: str) -> float:
+        """0 for a slot's first crash (in the window); then the doubling backoff."""
+        c = self._config
+        crashes = self._crashes.setdefault(slot, _Crashes())
+        now_s = time.monotonic()
+        crashes.count = crashes.count + 1 if now_s - crashes.last_s < c.crash_window_s else 1
+        crashes.last_s = now_s
+        if crashes.count == 1:
+            return 0.0
+        return min(c.max_restart_backoff_s, c.restart_backoff_s * 2 ** (crashes.count - 2))
 
     def _successor(self, spec: WorkerSpec) -> WorkerSpec:
-        base = spec.worker_id.split(".r")[0]
+        base = _slot(spec.worker_id)
         generation = self._generation.get(base, 0) + 1
         self._generation[base] = generation
         return replace(spec, worker_id=f"{base}.r{generation}")
+
+
+def _slot(worker_id: str) -> str:
+    """The slot a worker fills: its id without the replacement generation."""
+    return worker_id.split(".r")[0]

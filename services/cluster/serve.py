@@ -107,9 +107,9 @@ async def serve(
 ) -> int:
     """Serve until a signal; ``ray_address``: join that Ray cluster instead of starting one."""
     import ray
-    import uvicorn
 
     from services.gateway.app import create_app
+    from services.gateway.connections import uvicorn_config
 
     local_gpus = _local_gpus(config)
     if ray_address:
@@ -126,8 +126,9 @@ async def serve(
     svc = _build_service(config, cluster_has_gpus)
     app = create_app(svc)
     server = _server_class()(
-        uvicorn.Config(
+        uvicorn_config(
             app,
+            config.gateway,
             host=config.gateway.host,
             port=config.gateway.port,
             log_level="warning",

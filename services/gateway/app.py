@@ -1,18 +1,20 @@
 """The OpenAI-compatible HTTP app (FastAPI on uvicorn).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 ready, 503 starting or draining), ``GET /metrics``
+``GET /health`` (200 ready, 503 starting or draining), ``GET /ready`` (the same status,
+with every worker slot: ready, starting, or down and why), ``GET /metrics``
 (Prometheus), ``GET /openapi.json``. Every error is OpenAI's nested shape; FastAPI's
 422 becomes 400 naming the field; bodies over ``max_body_bytes`` get 413.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.bounds import check_bounds
 from services.gateway.errors import (
     APIError,
     BadRequest,
@@ -37,6 +40,8 @@ from services.gateway.service import GatewayService
 from services.gateway.tokens import chat_prompt_ids, text_prompt_ids
 
 __all__ = ["create_app"]
+
+T = TypeVar("T")
 
 
 def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI:
@@ -69,6 +74,22 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
     async def health() -> Response:
         return Response(status_code=200 if svc.is_ready() else 503)
 
+    @app.get("/ready", include_in_schema=False)
+    async def readiness() -> JSONResponse:
+        # /health is the liveness check (and stays cheap); this says which workers are up.
+        workers = [
+            {
+                "worker_id": w.worker_id,
+                "role": w.role.value,
+                "state": w.state,
+                "reason": w.reason,
+                "since": w.since_s,
+            }
+            for w in svc.controller.readiness()
+        ]
+        up = svc.is_ready()
+        return JSONResponse({"ready": up, "workers": workers}, status_code=200 if up else 503)
+
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -91,37 +112,37 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         check_model(body.model)
         check_fields(body)
         ready()
-        check_sequences(body)
+        check_bounds(body, svc.settings.gateway, svc.tokenizer.vocab_size)
         if body.has_images():
             raise BadRequest("this model does not accept images", "messages")
-        prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages(), body.template_tools())
-        return await respond(svc, prepare_chat(svc, body, prompt), request)
-
-    def check_sequences(body: ChatCompletionRequest | CompletionRequest) -> None:
-        prompt = getattr(body, "prompt", None)
-        num_prompts = (
-            len(prompt)
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-            else 1
+        prompt = await _off_loop_if_large(
+            request, chat_prompt_ids, svc.tokenizer, body.chat_messages(), body.template_tools()
         )
-        cap = svc.settings.gateway.max_sequences_per_request
-        if num_prompts * body.n > cap:
-            raise BadRequest(
-                f"{num_prompts} prompt(s) x n={body.n} = {num_prompts * body.n} sequences; "
-                f"at most {cap} per request (gateway.max_sequences_per_request)",
-                "n",
-            )
+        return await respond(svc, prepare_chat(svc, body, prompt), request)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
         check_fields(body)
         ready()
-        check_sequences(body)  # before tokenizing: a huge fan-out must not hold the loop
-        prompts = text_prompt_ids(svc.tokenizer, body.prompt)
+        # Before tokenizing: a huge fan-out is refused at once.
+        check_bounds(body, svc.settings.gateway, svc.tokenizer.vocab_size)
+        prompts = await _off_loop_if_large(request, text_prompt_ids, svc.tokenizer, body.prompt)
         return await respond(svc, prepare_completion(svc, body, prompts), request)
 
     return app
+
+
+_INLINE_TOKENIZE_BYTES = 64 * 2**10
+
+
+async def _off_loop_if_large(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a thread when the body is large: tokenizing (and rendering a chat
+    template over) megabytes takes long enough to stall every other request and /health."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) <= _INLINE_TOKENIZE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _auth_dependency(api_key: str | None) -> Any:

@@ -6,8 +6,9 @@
      ├── ModelNotFound        404  unknown model
      ├── PayloadTooLarge      413  body over gateway.max_body_bytes
      ├── Overloaded           429  router rejected, too many requests in flight (Retry-After)
-     ├── NotReady             503  starting or draining (Retry-After)
-     └── ServiceFailure       500  no worker could finish the request
+     ├── NotReady             503  starting or draining, too many connections (Retry-After)
+     ├── ServiceFailure       500  no worker could finish the request
+     └── RequestTimeout       504  not finished within gateway.request_timeout_s
 
 After a stream has begun, the same body goes out as an SSE ``data:`` event.
 """
@@ -24,6 +25,7 @@ __all__ = [
     "NotReady",
     "Overloaded",
     "PayloadTooLarge",
+    "RequestTimeout",
     "ServiceFailure",
     "Unauthorized",
 ]
@@ -103,3 +105,8 @@ class NotReady(_RetryLater):
 class ServiceFailure(APIError):
     status_code = 500
     error_type = "InternalServerError"
+
+
+class RequestTimeout(APIError):
+    status_code = 504
+    error_type = "TimeoutError"

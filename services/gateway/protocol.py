@@ -115,7 +115,8 @@ class LatencyTargets(_Body):
     )
 
 
-Stop = str | Annotated[list[str], Field(max_length=16)] | None
+# A hard ceiling for parsing; gateway.max_stop_strings is the bound users see.
+Stop = str | Annotated[list[str], Field(max_length=256)] | None
 
 
 class JsonSchemaFormat(_Body):

@@ -16,13 +16,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.gateway.errors import APIError, Overloaded
 from services.gateway.openai_format import DONE, LogprobsAcc, sse, usage
 from services.gateway.prepare import Generation
 from services.gateway.service import GatewayService
 from services.gateway.shaping import ChoiceShaper, StreamDelta
+from services.gateway.streaming import BoundedStreamingResponse
 from services.workers.messages import TokenDelta
 
 __all__ = ["respond"]
@@ -129,8 +130,9 @@ async def respond(svc: GatewayService, gen: Generation, request: Request) -> Any
         _count(svc, outcome, len(gen.choices))
         raise
     if gen.stream:
-        return StreamingResponse(
+        return BoundedStreamingResponse(
             _stream_body(svc, gen, events, first, arrival_s),
+            write_timeout_s=svc.settings.gateway.stream_write_timeout_s,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

@@ -21,6 +21,7 @@ from services.cluster.controller import Controller, ControllerConfig, Launcher
 from services.cluster.rebalance import Rebalancer
 from services.config import GatewayConfig, ModelConfig, RouterConfig
 from services.engine.messages import SamplingParams
+from services.gateway.deadline import until_deadline
 from services.gateway.executor import ExecutorConfig, PlanExecutor
 from services.gateway.state import ClusterState
 from services.gateway.tokens import Tokenizer
@@ -178,7 +179,7 @@ class GatewayService:
         n = len(prompt_token_ids)
         m = self._mean_prompt_tokens
         self._mean_prompt_tokens = n if m == 0 else m + _PROMPT_EMA_WEIGHT * (n - m)
-        return self.executor.run(
+        stream = self.executor.run(
             request_id,
             prompt_token_ids,
             sampling,
@@ -186,6 +187,8 @@ class GatewayService:
             slo=self.request_slo(slo or SLO()),
             priority=priority,
         )
+        timeout_s = self.settings.gateway.request_timeout_s
+        return until_deadline(stream, arrival_s + timeout_s, timeout_s)
 
     def request_slo(self, asked: SLO) -> SLO:
         """``asked`` with each missing target taken from ``router.default_slo``."""

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvtransfer.connector import KVConnector, KVTransferError
+from kvtransfer.connector import KVConnector
 from kvtransfer.types import BlockHandle, TransferState
 from router.types import Role
 from services.backends.protocol import Engine
@@ -289,7 +289,7 @@ class EngineLoop:
         self._active.add(request_id)
         try:
             transfer_id = connector.pull(job.handle, KV_REGION, block_ids)
-        except KVTransferError as e:
+        except Exception as e:  # KVTransferError, or NIXL's or torch's own: this request only
             self._engine.abort(request_id)
             self._active.discard(request_id)
             self._fail(request_id, FailureKind.TRANSFER, f"KV pull failed: {e}")
@@ -313,9 +313,21 @@ class EngineLoop:
     def _progress_transfers(self) -> None:
         if self._connector is None:
             return
-        self._connector.progress()
+        # A transfer error (NIXL's, torch's) fails the transfers it touches, never the
+        # engine: the gateway re-places those requests from their committed tokens.
+        try:
+            self._connector.progress()
+        except Exception:
+            log.exception("worker %s: KV connector progress failed", self._worker_id)
+            failed: TransferState | None = TransferState.FAILED
+        else:
+            failed = None
         for transfer_id, pull in list(self._pulls.items()):
-            state = self._connector.poll(transfer_id)
+            try:
+                state = failed or self._connector.poll(transfer_id)
+            except Exception:
+                log.exception("worker %s: polling transfer %s failed", self._worker_id, transfer_id)
+                state = TransferState.FAILED
             if not state.is_final:
                 continue
             del self._pulls[transfer_id]

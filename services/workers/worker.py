@@ -171,7 +171,13 @@ class Worker:
         self._loop.stop()
 
     def stop_now(self) -> None:
+        """Stop without draining (the controller gave up on this worker): every open
+        stream ends with a failure, so its request is re-placed, not left waiting."""
         self._loop.stop()
+        for request_id, stream in list(self._streams.items()):
+            stream.put_nowait(
+                RequestFailed(request_id, FailureKind.INTERNAL, f"worker {self.worker_id} stopped")
+            )
 
     # -- from the engine thread --------------------------------------------------------
     def _bind(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from services.gateway.app import create_app
+from services.gateway.connections import uvicorn_config
 from services.gateway.service import GatewayService
 
 T = TypeVar("T")
@@ -31,7 +32,9 @@ class ServedGateway:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(svc), log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn_config(
+            create_app(svc), svc.settings.gateway, log_level="warning", timeout_graceful_shutdown=5
+        )
         self._server = uvicorn.Server(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="uvicorn", daemon=True)
