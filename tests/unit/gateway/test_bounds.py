@@ -1,0 +1,116 @@
+"""Every input bounded at the door: a 400 naming the field, before any work; a request
+that outlives gateway.request_timeout_s ends (504, or an error event) and is aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+
+from services.backends.fake import FakeEngine
+from tests.unit.gateway.conftest import MODEL
+
+pytestmark = pytest.mark.asyncio
+
+BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+VOCAB = 256  # FakeTokenizer's
+
+PROBES = [
+    ({"stop": ["x"] * 17}, "stop", "gateway.max_stop_strings"),
+    ({"stop": "y" * 1025}, "stop", "gateway.max_stop_string_chars"),
+    ({"top_k": 2**63}, "top_k", "vocabulary"),
+    ({"top_k": VOCAB + 1}, "top_k", "vocabulary"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {str(2**63): 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"5": 1e30}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"5": -100.5}}, "logit_bias", "[-100, 100]"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "says"), PROBES)
+async def test_each_bound_is_a_400_naming_its_field(
+    gateway: Any, extra: dict[str, Any], param: str, says: str
+) -> None:
+    _, client = await gateway()
+    for path, body in (
+        ("/v1/completions", BODY),
+        ("/v1/chat/completions", {**BODY, "messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        r = await client.post(path, json={**body, **extra})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and says in error["message"], error
+
+
+async def test_values_at_the_bounds_are_served(gateway: Any) -> None:
+    _, client = await gateway()
+    ok = {
+        "stop": ["z" * 1024] * 16,
+        "top_k": VOCAB,
+        "logit_bias": {"0": 100, str(VOCAB - 1): -100},
+    }
+    r = await client.post("/v1/completions", json={**BODY, **ok})
+    assert r.status_code == 200, r.text
+    off = await client.post("/v1/completions", json={**BODY, "top_k": -1})
+    assert off.status_code == 200, off.text
+
+
+async def test_the_stop_bounds_are_config(gateway: Any) -> None:
+    _, client = await gateway(**{"gateway.max_stop_strings": 2, "gateway.max_stop_string_chars": 3})
+    many = await client.post("/v1/completions", json={**BODY, "stop": ["a", "b", "c"]})
+    assert many.status_code == 400 and "3 stop strings" in many.json()["error"]["message"]
+    long = await client.post("/v1/completions", json={**BODY, "stop": "abcd"})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "stop"
+
+
+class SlowFakeEngine(FakeEngine):
+    """A fake whose every step takes 50 ms (tests only)."""
+
+    def step(self) -> Any:
+        time.sleep(0.05)
+        return super().step()
+
+
+async def test_request_timeout_is_a_504_or_an_error_event_and_frees_the_worker(
+    gateway: Any,
+) -> None:
+    svc, client = await gateway(
+        engine_factory=SlowFakeEngine,
+        **{"gateway.request_timeout_s": 0.5, "workers.mode": "colocated"},
+    )
+    slow = {**BODY, "max_tokens": 200, "ignore_eos": True}
+    started = time.monotonic()
+    r = await client.post("/v1/completions", json=slow)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+    stream = await client.post("/v1/completions", json={**slow, "stream": True})
+    elapsed_s = time.monotonic() - started
+    assert elapsed_s < 3.0  # two requests of 10 s each, cut at 0.5 s
+    frames = [f for f in stream.text.split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    last = json.loads(frames[-2][len("data: ") :])
+    assert last["error"]["code"] == "timeout"
+    assert len(frames) > 3  # it streamed tokens before the deadline
+    for _ in range(100):  # the aborted requests' blocks are freed
+        snapshots = svc.state.snapshots().values()
+        if all(s.num_used_blocks == 0 and not s.running for s in snapshots):
+            break
+        await asyncio.sleep(0.02)
+    assert all(s.num_used_blocks == 0 and not s.running for s in svc.state.snapshots().values())
+
+
+async def test_ready_lists_every_worker(gateway: Any) -> None:
+    _, client = await gateway(**{"workers.prefill": 1, "workers.decode": 1})
+    r = await client.get("/ready")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["ready"] is True
+    assert sorted((w["role"], w["state"]) for w in body["workers"]) == [
+        ("decode", "ready"),
+        ("prefill", "ready"),
+    ]
+    assert (await client.get("/health")).status_code == 200
