@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from services.cluster.controller import ControllerConfig
@@ -28,8 +29,18 @@ def tiny_config(**overrides: Any) -> ClusterConfig:
     return ClusterConfig().with_overrides({**base, **overrides})
 
 
-def real_service(config: ClusterConfig, *, ray: bool, replace_dead: bool = False) -> GatewayService:
-    specs = worker_specs(config, *factories_for(config))
+def real_service(
+    config: ClusterConfig,
+    *,
+    ray: bool,
+    replace_dead: bool = False,
+    wrap_engine: Callable[[Callable[[], Any]], Callable[[], Any]] | None = None,
+) -> GatewayService:
+    """``wrap_engine``: a test's fault injector around the real engine factory."""
+    engine_factory, connector_factory = factories_for(config)
+    if wrap_engine is not None:
+        engine_factory = wrap_engine(engine_factory)
+    specs = worker_specs(config, engine_factory, connector_factory)
     settings = GatewaySettings(
         config.gateway, config.router, config.model, config.kvtransfer.backend
     )
