@@ -78,3 +78,74 @@ async def test_a_hung_engine_loop_fails_the_liveness_ping() -> None:
         await stream.aclose()
     finally:
         await worker.shutdown()
+
+
+class BrokenPullConnector:
+    """A local connector whose transport raises its own error, not KVTransferError, on
+    ``pull`` (mode "pull") or on ``poll`` (mode "poll"), as NIXL and torch do (tests only)."""
+
+    def __init__(self, agent: str, mode: str) -> None:
+        from kvtransfer import make_connector
+
+        self._inner = make_connector("local", agent_name=agent, lease_s=1.0)
+        self._mode = mode
+        self.broken = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def pull(self, *args: Any) -> Any:
+        if self.broken and self._mode == "pull":
+            raise RuntimeError("UCX: connection reset by peer")
+        return self._inner.pull(*args)
+
+    def poll(self, transfer_id: str) -> Any:
+        if self.broken and self._mode == "poll":
+            raise RuntimeError("gloo: connection closed")
+        return self._inner.poll(transfer_id)
+
+
+@pytest.mark.parametrize("mode", ["pull", "poll"])
+async def test_a_transport_error_fails_the_transfer_only_and_the_decoder_serves_on(
+    mode: str,
+) -> None:
+    from kvtransfer import make_connector
+    from services.workers.messages import Continue
+
+    connectors: list[BrokenPullConnector] = []
+
+    def broken(agent: str) -> BrokenPullConnector:
+        connectors.append(BrokenPullConnector(agent, mode))
+        return connectors[-1]
+
+    def local(agent: str) -> Any:
+        return make_connector("local", agent_name=agent, lease_s=1.0)
+
+    prefill = Worker(
+        WorkerSpec(f"p-{mode}", Role.PREFILL, FakeEngine, local, telemetry_interval_s=0.05)
+    )
+    decode = Worker(
+        WorkerSpec(f"d-{mode}", Role.DECODE, FakeEngine, broken, telemetry_interval_s=0.05)
+    )
+    try:
+        bystander = asyncio.ensure_future(_drain(decode, _request("bystander", 40)))
+        first = (await _drain(prefill, dataclasses.replace(_request("x", 8), prefill_only=True)))[0]
+        cont = dataclasses.replace(_request("x", 8), output_token_ids=first.token_ids)
+        events = await asyncio.wait_for(_collect(decode.generate(Continue(cont, first.handle))), 5)
+        assert isinstance(events[-1], RequestFailed) and events[-1].kind is FailureKind.TRANSFER
+        done = await asyncio.wait_for(bystander, 10)  # the engine's other request is untouched
+        assert isinstance(done[-1], TokenDelta) and done[-1].finish_reason is not None
+        connectors[0].broken = False
+        second = (await _drain(prefill, dataclasses.replace(_request("y", 8), prefill_only=True)))[
+            0
+        ]
+        cont = dataclasses.replace(_request("y", 8), output_token_ids=second.token_ids)
+        events = await asyncio.wait_for(_collect(decode.generate(Continue(cont, second.handle))), 5)
+        assert isinstance(events[-1], TokenDelta) and events[-1].finish_reason is not None
+    finally:
+        await prefill.shutdown()
+        await decode.shutdown()
+
+
+async def _collect(stream: Any) -> list[Any]:
+    return [e async for e in stream]
