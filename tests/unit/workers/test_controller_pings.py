@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from router.types import Role
@@ -63,5 +64,31 @@ async def test_two_slow_pings_are_tolerated_and_a_hung_worker_is_taken_down() ->
         assert down == ["hung"] and clients["hung"].killed
         assert clients["hung"].pings >= 3  # not before the third miss
         assert "slow" in controller.workers() and not clients["slow"].killed
+    finally:
+        await controller.stop()
+
+
+async def test_a_briefly_busy_gateway_loop_kills_no_healthy_worker() -> None:
+    """The event loop held for longer than a ping's timeout, again and again: each
+    stall costs at most one missed ping, and misses reset on the next answer."""
+    down: list[str] = []
+    specs = [WorkerSpec(f"w{i}", Role.MIXED, FakeEngineFactory()) for i in range(2)]
+    controller = Controller(
+        specs,
+        launch_in_process,
+        on_snapshot=lambda s: None,
+        on_worker_down=lambda worker_id, role: down.append(worker_id),
+        config=ControllerConfig(
+            ping_interval_s=0.02, ping_timeout_s=0.05, ping_misses_to_down=3, replace_dead=False
+        ),
+    )
+    await controller.start()
+    try:
+        for _ in range(6):
+            await asyncio.sleep(0.2)  # pings answer (and reset the misses); one is in flight
+            time.sleep(0.3)  # the loop is busy: 6x the ping timeout
+        await asyncio.sleep(0.3)
+        assert down == []
+        assert set(controller.workers()) == {"w0", "w1"}
     finally:
         await controller.stop()
