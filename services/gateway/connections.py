@@ -106,8 +106,9 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.app = app
 
     def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # a queued request starts now: its headers are in
         super().on_response_complete()
-        if not self.transport.is_closing() and not self.pipeline:
+        if not pipelined and not self.transport.is_closing():
             self._arm_header_timer()  # the next request's headers are due in time too
 
     def send_400_response(self, msg: str) -> None:
