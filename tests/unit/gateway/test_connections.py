@@ -85,3 +85,40 @@ def test_a_request_past_max_connections_gets_a_503() -> None:
             sock.close()
         time.sleep(0.2)
         assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+
+
+def test_a_stream_whose_client_stops_reading_is_cut_and_its_request_aborted() -> None:
+    config = fake_config(
+        **{"gateway.stream_write_timeout_s": 1.0, "workers.mode": "colocated", "workers.prefill": 1}
+    )
+    gateway = ServedGateway(fake_service(config, max_model_len=10**6))
+    # Small, fixed socket buffers on both sides (accepted sockets inherit the listening
+    # socket's), so an unread stream blocks the server's writes after kilobytes, not MBs.
+    gateway._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    with gateway as server:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast
+        sock.connect(("127.0.0.1", server.port))
+        body = json.dumps(
+            {
+                "model": "fake-model",
+                "prompt": "hello",
+                "max_tokens": 500_000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        deadline = time.monotonic() + 30  # the client reads nothing from here on
+        running = True
+        while running and time.monotonic() < deadline:
+            time.sleep(0.2)
+            snapshots = server.svc.state.snapshots().values()
+            running = any(s.running or s.num_used_blocks for s in snapshots)
+        assert not running, "the unread stream's request still runs"
+        sock.settimeout(10)
+        elapsed_s, _ = _closed_after_s(sock)  # drains what was buffered, then EOF
+        assert elapsed_s < 10
