@@ -211,15 +211,17 @@ class Controller:
         entry = self._entries.pop(worker_id, None)
         if entry is None or self._stopping:
             return
-        log.warning("worker %s is down (%s)", worker_id, reason)
-        if entry.watch is not None and entry.watch is not asyncio.current_task():
-            entry.watch.cancel()
-        entry.client.kill()
+        # First the router stops seeing it, then what is left of it is killed (ray.kill
+        # can take a while): no request is placed on a worker already out of the registry.
+        self._on_worker_down(worker_id, entry.spec.role)
         slot = _slot(worker_id)
         self._down_slots[slot] = WorkerReadiness(
             worker_id, entry.spec.role, "down", reason, time.time()
         )
-        self._on_worker_down(worker_id, entry.spec.role)
+        log.warning("worker %s is down (%s)", worker_id, reason)
+        if entry.watch is not None and entry.watch is not asyncio.current_task():
+            entry.watch.cancel()
+        entry.client.kill()
         if not self._config.replace_dead:
             return
         successor = self._successor(entry.spec)
