@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from router.cost_model import DEFAULT_PROFILE, Profile, TransferCoeffs, load_profile
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import LinkFit
-from router.planner import RolePressure
+from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
 from router.types import (
     SLO,
@@ -193,6 +193,7 @@ class Router:
         self._index: dict[str, int] = {}
         self._stale: set[str] = set()  # workers whose view must be rebuilt
         self._links: dict[str, LinkFit] = {}
+        self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
 
     # -- telemetry ---------------------------------------------------------------------
@@ -321,6 +322,14 @@ class Router:
             return None
         result: RolePressure = pressure(self.view(), self.mean_prompt_tokens)
         return result
+
+    def plan_flip(self, now_s: float) -> RoleFlip | None:
+        """The P/D ratio planner's decision for this interval (the simulator applies it;
+        the gateway's ``Rebalancer`` makes the same one with ``choose_flip``)."""
+        pressure = self.pressure()
+        return (
+            None if pressure is None else choose_flip(self.view(), pressure, self._planner, now_s)
+        )
 
     def block_size(self) -> int | None:
         """The KV block size prompts are hashed by for prefix matching (the smallest)."""

@@ -15,6 +15,7 @@ from loadgen.workload import RequestSpec
 from router.policy import available_policies, register_policy
 from router.types import ClusterView, Reject, RequestProfile
 
+RR = "round_robin"  # the timelines below are computed for it
 PROFILE = Profile(
     model="hand",
     hardware="paper",
@@ -46,6 +47,7 @@ def _by_id(result):  # type: ignore[no-untyped-def]
 
 
 def _disagg(**kw) -> SimConfig:  # type: ignore[no-untyped-def]
+    kw.setdefault("policy", RR)
     return SimConfig(rate=RateSpec(1.0), profile=PROFILE, num_prefill=1, num_decode=1, **kw)
 
 
@@ -70,7 +72,9 @@ def test_arrival_mid_segment_joins_at_next_step_boundary() -> None:
 
 
 def test_colocated_chunked_prefill() -> None:
-    cfg = SimConfig(rate=RateSpec(1.0), profile=PROFILE, num_colocated=1, chunk_tokens=64)
+    cfg = SimConfig(
+        rate=RateSpec(1.0), profile=PROFILE, num_colocated=1, chunk_tokens=64, policy=RR
+    )
     rec = _by_id(simulate_specs(cfg, [_spec("a", 0.0, 100, 3)]))["a"]
     # chunks of 64 and 36 tokens, each paying the prefill overhead a
     assert rec.ttft_s == pytest.approx(0.074 + 0.046)
@@ -88,8 +92,9 @@ def test_memory_pressure_greedy_preempts_estimator_does_not() -> None:
     small = replace(PROFILE, num_kv_blocks=20)  # 320 tokens; 4 x (60 + 80) will not fit
     specs = [_spec(f"r{i}", 0.001 * i, 60, 80) for i in range(4)]
     greedy = SimConfig(
-        rate=RateSpec(100.0), profile=small, num_prefill=1, num_decode=1, admission="greedy"
-    )
+        rate=RateSpec(100.0), profile=small, num_prefill=1, num_decode=1, admission="greedy",
+        policy=RR,
+    )  # fmt: skip
     s = simulate_specs(greedy, specs).summary
     assert s["completed"] == 4
     assert s["preempted"] > 0
@@ -102,7 +107,9 @@ def test_memory_pressure_greedy_preempts_estimator_does_not() -> None:
 
 
 def test_closed_loop_runs_one_at_a_time() -> None:
-    cfg = SimConfig(rate=None, concurrency=1, profile=PROFILE, num_colocated=1, chunk_tokens=512)
+    cfg = SimConfig(
+        rate=None, concurrency=1, profile=PROFILE, num_colocated=1, chunk_tokens=512, policy=RR
+    )
     result = simulate_specs(cfg, [_spec("a", 0.0, 100, 1), _spec("b", 0.0, 100, 1)])
     rec = _by_id(result)
     assert rec["a"].e2el_s == pytest.approx(0.11)
@@ -119,6 +126,7 @@ def test_summary_matches_bench_keys_and_is_reproducible() -> None:
         num_decode=2,
         profile=load_profile(),
         slo=GoodputSLO(ttft_ms=500, tpot_ms=100),
+        policy=RR,
     )
     a, b = simulate(cfg).summary, simulate(cfg).summary
     for key in ("completed", "request_goodput", "p99_ttft_ms", "mean_tpot_ms", "median_itl_ms"):
