@@ -8,12 +8,12 @@ import pytest
 
 from loadgen.arrivals import RateSpec
 from loadgen.metrics import GoodputSLO
-from loadgen.scenario import WorkloadConfig
+from loadgen.scenario import WorkloadConfig, build_requests
 from loadgen.sim import SimConfig, simulate, simulate_specs
 from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
 from router.policy import available_policies, register_policy
-from router.types import ClusterView, Reject, RequestProfile
+from router.types import SLO, ClusterView, Reject, RequestProfile, Role
 
 RR = "round_robin"  # the timelines below are computed for it
 PROFILE = Profile(
@@ -170,3 +170,39 @@ def test_shipped_profiles_load_with_sources() -> None:
     llama = load_profile("llama3-8b-h100")
     assert llama.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K,V x layers x KV heads x dim x bf16
     assert all(len(p.sources) >= 3 for p in (tiny, llama))
+
+
+def _prefill_bound(**kw) -> SimConfig:  # type: ignore[no-untyped-def]
+    from router.front_door import RouterSettings
+
+    return SimConfig(
+        workload=WorkloadConfig(
+            input_len="uniform:1500-2000", output_len="uniform:2-8", num_requests=400, seed=1
+        ),
+        rate=RateSpec(150.0),  # ~5 prefill workers' worth of long prompts
+        num_prefill=1,
+        num_decode=3,
+        router=RouterSettings(profile=load_profile(), rebalance_interval_s=1.0),
+        policy="slo_goodput",
+        slo=GoodputSLO(ttft_ms=1000, tpot_ms=200),
+        **kw,
+    )
+
+
+def test_the_rebalancer_drains_then_flips_a_decode_worker_to_prefill() -> None:
+    from loadgen.sim.cluster import SimCluster
+    from loadgen.sim.run import _roles
+    from router.front_door import Router
+
+    config = _prefill_bound(flip_latency_s=0.25)
+    profile = load_profile()
+    settings = config.router_settings(profile)
+    cluster = SimCluster(profile, Router(settings), _roles(config), SLO(1.0, 0.2), rebalance=True,
+                         flip_latency_s=0.25)  # fmt: skip
+    cluster.run_open_loop(build_requests(config.workload, config.rate))
+    assert cluster.flips, "a prefill-bound cluster never gained a prefill worker"
+    done_s, worker_id, role = cluster.flips[0]
+    assert worker_id.startswith("decode") and role is Role.PREFILL
+    assert done_s >= 1.0 + 0.25  # the first tick, then the flip latency at least
+    assert simulate(config).summary["role_flips"] == len(cluster.flips)
+    assert simulate(replace(config, rebalance=False)).summary["role_flips"] == 0
