@@ -404,7 +404,8 @@ class Router:
         num_free_blocks = s.num_free_blocks
         fit = self._links.get(wid)
         link = fit.estimate if fit is not None else None
-        for rid in self._by_worker.get(wid, ()):
+        reserved = self._by_worker.get(wid, ())
+        for rid in reserved:
             r = self._reservations[rid]
             if r.plan.prefill_worker == wid:
                 queued_tokens[r.length_class] += r.prefill_tokens
@@ -420,7 +421,9 @@ class Router:
             block_size=s.block_size,
             queued_tokens=queued_tokens,
             queued_requests=queued_requests,
-            running=tuple(running),
+            # The report's own tuple when nothing is reserved here: the policy's per-worker
+            # caches key on it, so a reservation released brings their old entry back.
+            running=tuple(running) if len(running) != len(s.running) else s.running,
             recent_steps=s.recent_steps,
             kv_bytes_per_token=s.kv_bytes_per_token,
             max_num_seqs=s.max_num_seqs,
