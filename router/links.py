@@ -32,7 +32,12 @@ class _Transfer:
 class LinkFit:
     def __init__(self, seed: TransferCoeffs, window: int = 64) -> None:
         self._seed = seed
-        self._recent: deque[_Transfer] = deque(maxlen=window)
+        self._window = window
+        self._recent: deque[_Transfer] = deque()
+        # Running sums over the window (bytes, duration, bytes², bytes·duration): a
+        # transfer costs O(1), not O(window) (the simulator reports one per request).
+        self._sums = [0.0, 0.0, 0.0, 0.0]
+        self._num_since_resum = 0
         self.estimate = seed
 
     @property
@@ -43,21 +48,38 @@ class LinkFit:
         """Fold one transfer in; returns the new estimate."""
         if num_bytes <= 0 or duration_s < 0:
             return self.estimate
-        self._recent.append(_Transfer(float(num_bytes), float(duration_s)))
+        t = _Transfer(float(num_bytes), float(duration_s))
+        self._recent.append(t)
+        self._add(t, 1.0)
+        if len(self._recent) > self._window:
+            self._add(self._recent.popleft(), -1.0)
+        self._num_since_resum += 1
+        if self._num_since_resum >= self._window:  # bound the rounding drift of the sums
+            self._num_since_resum = 0
+            self._sums = [0.0, 0.0, 0.0, 0.0]
+            for old in self._recent:
+                self._add(old, 1.0)
         self.estimate = self._fit()
         return self.estimate
 
+    def _add(self, t: _Transfer, sign: float) -> None:
+        sums = self._sums
+        b, d = t.num_bytes, t.duration_s
+        sums[0] += sign * b
+        sums[1] += sign * d
+        sums[2] += sign * b * b
+        sums[3] += sign * b * d
+
     def _fit(self) -> TransferCoeffs:
         n = len(self._recent)
-        mean_b = sum(t.num_bytes for t in self._recent) / n
-        mean_d = sum(t.duration_s for t in self._recent) / n
-        var_b = sum((t.num_bytes - mean_b) ** 2 for t in self._recent) / n
+        sum_b, sum_d, sum_bb, sum_bd = self._sums
+        mean_b, mean_d = sum_b / n, sum_d / n
+        var_b = max(0.0, sum_bb / n - mean_b * mean_b)
         if n >= 3 and var_b > (_MIN_SPREAD * mean_b) ** 2:
-            cov = sum((t.num_bytes - mean_b) * (t.duration_s - mean_d) for t in self._recent) / n
-            slope = cov / var_b
+            slope = (sum_bd / n - mean_b * mean_d) / var_b
             latency_s = mean_d - slope * mean_b
             if slope > 0 and latency_s >= 0:
                 return TransferCoeffs(bandwidth_bytes_per_s=1.0 / slope, latency_s=latency_s)
         latency_s = min(self._seed.latency_s, min(t.duration_s for t in self._recent))
         wire_s = sum(max(t.duration_s - latency_s, _MIN_WIRE_S) for t in self._recent)
-        return TransferCoeffs(bandwidth_bytes_per_s=mean_b * n / wire_s, latency_s=latency_s)
+        return TransferCoeffs(bandwidth_bytes_per_s=sum_b / wire_s, latency_s=latency_s)
