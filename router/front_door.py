@@ -11,7 +11,14 @@ It owns everything around ``policy.plan`` that used to exist once per caller:
 * the **one length classifier**: queued prompts are classified by its θ, and θ is
   observed once per request (the first ``place`` of a request id), not once per
   re-plan of a held request;
-* **hold or reject**: a policy's ``Reject(hold=True)`` comes back as ``Hold``.
+* **hold or reject**: a policy's ``Reject(hold=True)`` comes back as ``Hold``;
+* the **links**: ``observe_transfer`` fits each worker's KV link (``router.links``);
+* the **ratio planner's inputs**: ``pressure()`` (the policy's role pressure at the
+  mean prompt length of the requests placed, each counted once).
+
+Call order, per request: ``place`` (again after each ``Hold``) -> ``release(id,
+worker)`` as each worker's telemetry starts counting it -> ``release(id)`` when it
+ends however it ends; ``observe_transfer`` and ``observe_outcome`` as they happen.
 
 Pure like the rest of ``router``: no Ray, HTTP, torch or clock reads; ``now_s`` is
 passed in. A worker report is anything shaped like ``services.workers.messages.
@@ -31,8 +38,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from router.cost_model import DEFAULT_PROFILE, Profile, load_profile
+from router.cost_model import DEFAULT_PROFILE, Profile, TransferCoeffs, load_profile
 from router.length import LengthClassifier, effective_prefill_tokens
+from router.links import LinkFit
+from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
 from router.types import (
     SLO,
@@ -50,6 +59,7 @@ from router.types import (
 __all__ = ["Hold", "Router", "RouterSettings", "WorkerReport"]
 
 _OUTPUT_HISTORY = 256
+_PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes prefill by
 _DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
 
 
@@ -82,6 +92,8 @@ class WorkerReport(Protocol):
     def max_num_seqs(self) -> int: ...
     @property
     def prefix_digest(self) -> tuple[int, ...]: ...
+    @property
+    def prefill_budget_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +157,7 @@ class Hold:
 @dataclass(slots=True)
 class _Reservation:
     plan: Plan
+    workers: set[str]  # the plan's workers whose telemetry does not count it yet
     prefill_tokens: int
     length_class: LengthClass
     held_tokens: int
@@ -179,6 +192,9 @@ class Router:
         self._slots: list[WorkerView] | None = None
         self._index: dict[str, int] = {}
         self._stale: set[str] = set()  # workers whose view must be rebuilt
+        self._links: dict[str, LinkFit] = {}
+        self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
+        self.mean_prompt_tokens = 0.0
 
     # -- telemetry ---------------------------------------------------------------------
     def update(self, report: WorkerReport) -> None:
@@ -208,6 +224,7 @@ class Router:
             self._view = None
         for request_id in self._by_worker.pop(worker_id, set()):
             self._drop_reservation(request_id)
+        self._links.pop(worker_id, None)
 
     def is_alive(self, worker_id: str) -> bool:
         return worker_id in self._workers
@@ -260,51 +277,114 @@ class Router:
             profile = dataclasses.replace(profile, arrival_s=now_s)
         elif profile.request_id not in self._observed:
             self._observed.add(profile.request_id)
-            self.classifier.observe(effective_prefill_tokens(profile))
+            self._observe_request(profile)
         decision = self.policy.plan(profile, self.view(), now_s)
         if isinstance(decision, Reject):
             if decision.hold:
                 return Hold(decision.reason, decision.retry_after_s)
             self._observed.discard(profile.request_id)
             return decision
-        self._observed.discard(profile.request_id)
-        self._reserve(profile, decision)
+        self.reserve(profile, decision)  # observed until ``release(id)``: a re-place is not new
         return decision
 
-    def release(self, request_id: str) -> None:
-        """The request no longer needs its reservation (its workers' telemetry counts it,
-        it finished or failed) or, if it was held, a place any more."""
+    def release(self, request_id: str, worker_id: str | None = None) -> None:
+        """``worker_id``'s telemetry counts the request now: drop its part of the
+        reservation. No ``worker_id``: the request finished, failed or gave up waiting;
+        drop all of it (and, if it was held, its place)."""
+        if worker_id is not None:
+            self._drop_reservation(request_id, worker_id)
+            return
         self._observed.discard(request_id)
         self._drop_reservation(request_id)
+
+    def observe_transfer(
+        self, prefill_worker: str, decode_worker: str, num_bytes: int, duration_s: float
+    ) -> None:
+        """A KV pull from ``prefill_worker`` to ``decode_worker`` finished: both ends'
+        links are refitted (a pair is priced by its slower end)."""
+        seed = self.settings.profile.transfer
+        for wid in (prefill_worker, decode_worker):
+            fit = self._links.get(wid)
+            if fit is None:
+                fit = self._links[wid] = LinkFit(seed)
+            fit.observe(num_bytes, duration_s)
+            self._invalidate(wid)
+
+    def link(self, worker_id: str) -> TransferCoeffs:
+        """The worker's link as measured (the profile's until a transfer is seen)."""
+        fit = self._links.get(worker_id)
+        return fit.estimate if fit is not None else self.settings.profile.transfer
+
+    def pressure(self) -> RolePressure | None:
+        """Each role's load for the ratio planner; None if the policy cannot tell."""
+        pressure = getattr(self.policy, "pressure", None)
+        if not callable(pressure):
+            return None
+        result: RolePressure = pressure(self.view(), self.mean_prompt_tokens)
+        return result
+
+    def plan_flip(self, now_s: float) -> RoleFlip | None:
+        """The P/D ratio planner's decision for this interval (the simulator applies it;
+        the gateway's ``Rebalancer`` makes the same one with ``choose_flip``)."""
+        pressure = self.pressure()
+        return (
+            None if pressure is None else choose_flip(self.view(), pressure, self._planner, now_s)
+        )
+
+    def block_size(self) -> int | None:
+        """The KV block size prompts are hashed by for prefix matching (the smallest)."""
+        sizes = [w.report.block_size for w in self._workers.values()]
+        return min(sizes) if sizes else None
 
     def num_reservations(self) -> int:
         return len(self._reservations)
 
+    def use_policy(self, name: str) -> None:
+        """Place with the policy ``name`` from now on (same settings, view, reservations
+        and θ); placed requests are unaffected."""
+        self.settings = dataclasses.replace(self.settings, policy=name)
+        self.policy = make_policy_from_settings(name, self.settings.policy_options(self.classifier))
+
     # -- internals ---------------------------------------------------------------------
-    def _reserve(self, profile: RequestProfile, plan: Plan) -> None:
+    def _observe_request(self, profile: RequestProfile) -> None:
+        """Once per request: θ and the mean prompt length move with new traffic only."""
+        self.classifier.observe(effective_prefill_tokens(profile))
+        n = profile.num_prompt_tokens + profile.num_image_tokens
+        m = self.mean_prompt_tokens
+        self.mean_prompt_tokens = n if m == 0 else m + _PROMPT_EMA_WEIGHT * (n - m)
+
+    def reserve(self, profile: RequestProfile, plan: Plan) -> None:
+        """Hold what ``plan`` will take on its workers until ``release`` (``place`` does
+        this for its plans; for a plan made elsewhere, e.g. an operator pinning)."""
         rid = profile.request_id
         self._drop_reservation(rid)
         tokens = effective_prefill_tokens(profile)
+        touched = _touched(plan)
         self._reservations[rid] = _Reservation(
             plan,
+            set(touched),
             tokens,
             self.classifier.classify(tokens),
             profile.num_prompt_tokens + profile.num_image_tokens,
             profile.max_tokens,
         )
-        for wid in _touched(plan):
+        for wid in touched:
             self._by_worker.setdefault(wid, set()).add(rid)
             self._invalidate(wid)
 
-    def _drop_reservation(self, request_id: str) -> None:
-        r = self._reservations.pop(request_id, None)
+    def _drop_reservation(self, request_id: str, worker_id: str | None = None) -> None:
+        r = self._reservations.get(request_id)
         if r is None:
             return
-        for wid in _touched(r.plan):
+        dropped = set(r.workers) if worker_id is None else r.workers & {worker_id}
+        for wid in dropped:
+            r.workers.discard(wid)
             ids = self._by_worker.get(wid)
             if ids is not None:
                 ids.discard(request_id)
             self._invalidate(wid)
+        if not r.workers:
+            del self._reservations[request_id]
 
     def _invalidate(self, worker_id: str) -> None:
         if worker_id in self._workers:
@@ -322,7 +402,10 @@ class Router:
             queued_requests[cls] += 1
         running = list(s.running)
         num_free_blocks = s.num_free_blocks
-        for rid in self._by_worker.get(wid, ()):
+        fit = self._links.get(wid)
+        link = fit.estimate if fit is not None else None
+        reserved = self._by_worker.get(wid, ())
+        for rid in reserved:
             r = self._reservations[rid]
             if r.plan.prefill_worker == wid:
                 queued_tokens[r.length_class] += r.prefill_tokens
@@ -338,12 +421,17 @@ class Router:
             block_size=s.block_size,
             queued_tokens=queued_tokens,
             queued_requests=queued_requests,
-            running=tuple(running),
+            # The report's own tuple when nothing is reserved here: the policy's per-worker
+            # caches key on it, so a reservation released brings their old entry back.
+            running=tuple(running) if len(running) != len(s.running) else s.running,
             recent_steps=s.recent_steps,
             kv_bytes_per_token=s.kv_bytes_per_token,
             max_num_seqs=s.max_num_seqs,
             draining=s.draining,
             prefix_digest=w.digest,
+            prefill_budget_tokens=s.prefill_budget_tokens,
+            link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s if link else 0.0,
+            link_latency_s=link.latency_s if link else None,
         )
 
 

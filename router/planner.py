@@ -27,14 +27,16 @@ import math
 from dataclasses import dataclass
 
 from router.cost_model import CostModel, Profile
-from router.types import SLO
+from router.types import SLO, ClusterView, Role, WorkerView
 
 __all__ = [
     "Flip",
     "PoolPlan",
     "RatioPlanner",
+    "RoleFlip",
     "RolePressure",
     "WorkloadStats",
+    "choose_flip",
     "plan_pools",
     "size_pools",
 ]
@@ -178,3 +180,35 @@ class RatioPlanner:
         if flip is not Flip.NONE:
             self._last_flip_s = now_s
         return flip
+
+
+@dataclass(frozen=True, slots=True)
+class RoleFlip:
+    worker_id: str
+    source: Role
+    target: Role
+
+
+_FLIPS = {
+    Flip.DECODE_TO_PREFILL: (Role.DECODE, Role.PREFILL),
+    Flip.PREFILL_TO_DECODE: (Role.PREFILL, Role.DECODE),
+}
+
+
+def choose_flip(
+    view: ClusterView, pressure: RolePressure, planner: RatioPlanner, now_s: float
+) -> RoleFlip | None:
+    """The planner's decision as the worker to flip: the least busy of the role that
+    gives one up (draining workers are not counted). The gateway's rebalancer and the
+    simulator both apply this; issue 14's learned rebalancing replaces it here."""
+    prefill, decode = view.by_role(Role.PREFILL), view.by_role(Role.DECODE)
+    flip = planner.decide(now_s, pressure, len(prefill), len(decode))
+    if flip is Flip.NONE:
+        return None
+    source, target = _FLIPS[flip]
+    worker = min(prefill if source is Role.PREFILL else decode, key=_busyness)
+    return RoleFlip(worker.worker_id, source, target)
+
+
+def _busyness(w: WorkerView) -> tuple[int, int]:
+    return len(w.running), sum(w.queued_tokens.values())

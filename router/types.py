@@ -89,7 +89,8 @@ class WorkerView:
     running: tuple[RunningRequest, ...] = ()
     recent_steps: tuple[StepSample, ...] = ()
     prefix_digest: frozenset[int] = frozenset()  # block hashes cached on this worker
-    link_bandwidth_bytes_per_s: float = 1e9
+    link_bandwidth_bytes_per_s: float = 0.0  # measured from transfers; 0: the profile's
+    link_latency_s: float | None = None  # measured from transfers; None: the profile's
     kv_bytes_per_token: int = 0
     max_num_seqs: int = 256
     draining: bool = False

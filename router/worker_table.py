@@ -77,6 +77,7 @@ class WorkerTable:
         self.pa, self.pb, self.pc = zeros(), zeros(), zeros()
         self.wait_short_s, self.wait_long_s = zeros(), zeros()
         self.bandwidth = np.ones(n)
+        self.link_latency_s = zeros()
         self.kv_bytes_per_token = zeros()
         self.block_size = np.ones(n)
         self.step_base_s, self.step_per_token_s = zeros(), zeros()
@@ -137,6 +138,8 @@ class WorkerTable:
         self.usable[i] = w.alive and not w.draining
         self.prefix_index.update(i, w.prefix_digest)
         self.bandwidth[i] = w.link_bandwidth_bytes_per_s or s.profile.transfer.bandwidth_bytes_per_s
+        latency_s = w.link_latency_s
+        self.link_latency_s[i] = s.profile.transfer.latency_s if latency_s is None else latency_s
         self.kv_bytes_per_token[i] = w.kv_bytes_per_token or s.profile.kv_bytes_per_token
         self.block_size[i] = w.block_size
         self.queued_tokens[i] = sum(w.queued_tokens.values())

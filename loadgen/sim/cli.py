@@ -1,4 +1,11 @@
-"""``baton simulate``: the bench workload flags plus the cluster shape, policy and profile."""
+"""``baton simulate``: the bench workload flags plus the cluster shape, policy and profile.
+
+``--config`` reads a ``baton serve`` config file: the router is built from its
+``router`` section exactly as the gateway builds it (``RouterSettings.from_config``),
+and its ``workers`` counts are the cluster shape unless flags say otherwise. The
+router's cost model is seeded from ``router.profile`` (a ``baton profile`` output), else
+``--router-profile``, else the simulated ``--profile`` itself.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,11 @@ from pathlib import Path
 
 from loadgen.flags import add_workload_arguments, slo_from_args, sweep_from_args, workload_from_args
 from loadgen.report import format_table, write_run, write_sweep
-from loadgen.sim.profile import load_profile
+from loadgen.sim.profile import Profile, load_profile
 from loadgen.sim.run import SimConfig, simulate
 from loadgen.workload import WorkloadError
+from router.front_door import RouterSettings
+from services.config import ClusterConfig, RouterConfig, load_config
 
 __all__ = ["add_arguments", "run"]
 
@@ -19,14 +28,26 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     g = parser.add_argument_group("cluster")
-    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    g.add_argument("--decode", type=int, default=1, help="decode workers")
+    g.add_argument("--config", default=None, help="a baton serve config file (router, workers)")
+    g.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    g.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     g.add_argument(
         "--colocated", type=int, default=0, help="N mixed workers (chunked prefill) instead"
     )
     g.add_argument("--mixed", type=int, default=0, help="mixed workers added to the P/D cluster")
-    g.add_argument("--policy", default="round_robin", help="router policy (router.policy registry)")
-    g.add_argument("--profile", default=None, help="profile JSON (default: shipped tiny-cpu)")
+    g.add_argument(
+        "--policy", default=None, help="router policy (default: the config's, slo_goodput)"
+    )
+    g.add_argument("--profile", default=None, help="simulated hardware (default: tiny-cpu)")
+    g.add_argument(
+        "--router-profile", default=None, help="the router's cost-model seed (baton profile JSON)"
+    )
+    g.add_argument(
+        "--no-rebalance", action="store_true", help="no P/D role flips (served: rebalancing on)"
+    )
+    g.add_argument(
+        "--flip-latency", type=float, default=0.5, help="seconds from drained to flipped"
+    )
     g.add_argument("--chunk-tokens", type=int, default=512, help="token budget of a mixed step")
     g.add_argument(
         "--prefill-budget", type=int, default=8192, help="token budget of a prefill step"
@@ -41,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         sweep = sweep_from_args(args)
         slo = slo_from_args(args)
         profile = load_profile(args.profile)
+        served = load_config(args.config) if args.config else ClusterConfig()
+        router = _router_settings(served.router, args.router_profile, profile)
     except (WorkloadError, ValueError, FileNotFoundError) as e:
         print(f"baton simulate: {e}", file=sys.stderr)
         return 2
@@ -50,16 +73,19 @@ def run(args: argparse.Namespace) -> int:
             workload=workload,
             rate=rate,
             concurrency=concurrency,
-            num_prefill=args.prefill,
-            num_decode=args.decode,
+            num_prefill=_count(args.prefill, served.workers.prefill, args.config),
+            num_decode=_count(args.decode, served.workers.decode, args.config),
             num_colocated=args.colocated,
             num_mixed=args.mixed,
+            router=router,
             policy=args.policy,
             profile=profile,
             slo=slo,
             chunk_tokens=args.chunk_tokens,
             prefill_budget_tokens=args.prefill_budget,
             max_tokens=args.max_tokens,
+            rebalance=not args.no_rebalance,
+            flip_latency_s=args.flip_latency,
         )
         try:
             result = simulate(config)
@@ -84,3 +110,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _slug(label: str) -> str:
     return "run-" + "".join(c if c.isalnum() or c in ".-" else "_" for c in label)
+
+
+def _router_settings(
+    config: RouterConfig, router_profile: str | None, simulated: Profile
+) -> RouterSettings:
+    """The router ``baton serve`` builds from ``config``; seeded as the module says."""
+    if config.profile is not None:
+        return RouterSettings.from_config(config)
+    seed = load_profile(router_profile) if router_profile else simulated
+    return RouterSettings.from_config(config, profile=seed)
+
+
+def _count(flag: int | None, configured: int, config_path: str | None) -> int:
+    if flag is not None:
+        return flag
+    return configured if config_path else 1

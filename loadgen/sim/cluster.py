@@ -1,17 +1,21 @@
-"""The discrete-event cluster: arrivals, the REAL router, workers, KV transfer links.
+"""The discrete-event cluster: arrivals, the REAL router front door, workers, KV links.
 
 Event loop (one heap, ordered by time then sequence number)::
 
-    ARRIVAL   a request reaches the gateway  -> router.plan(profile, view, now)
-    RETRY     a held request asks again      -> router.plan(...)
-    STEP_END  a worker's step/segment ends   -> tokens advance, finishes recorded
-    LANDED    a KV transfer completes        -> decode worker may admit it
+    ARRIVAL    a request reaches the gateway  -> router.place(profile, now)
+    RETRY      a held request asks again      -> router.place(...)
+    STEP_END   a worker's step/segment ends   -> tokens advance, finishes recorded
+    LANDED     a KV transfer completes        -> decode worker may admit it
+    REBALANCE  every rebalance_interval_s     -> router.plan_flip(now): drain one worker
+    FLIPPED    a drained worker's flip is done (flip_latency_s later) -> its new role
 
-The router sees ``ClusterView``s built from the simulated workers' state, the
-same shape the gateway builds from telemetry, with the gateway's in-flight
-reservations (requests planned to a decode worker but not yet admitted there)
-counted on that worker. A worker's view is rebuilt only after its state
-changed, so a decision costs O(workers) pointer copies plus the policy itself.
+The simulator drives ``router.Router`` exactly as the gateway does: a worker whose
+state changed is reported (``update``) before the next decision; a plan is reserved
+by the router until each worker counts the request (``release(id, worker)``: the
+prefill worker as soon as it is queued there, the decode worker when it admits it);
+``release(id)`` when the request ends; finished pulls go to ``observe_transfer`` and
+output lengths to ``observe_outcome``. A decision costs what it costs live: the
+router rebuilds only the reported workers' views.
 """
 
 from __future__ import annotations
@@ -22,25 +26,15 @@ from collections.abc import Callable, Iterator
 
 from loadgen.metrics import RequestRecord
 from loadgen.sim.profile import Profile
+from loadgen.sim.telemetry import SimReport
 from loadgen.sim.worker import Admission, SimRequest, SimWorker
 from loadgen.workload import RequestSpec
-from router.policy import Policy
-from router.types import (
-    SLO,
-    ClusterView,
-    Plan,
-    Reject,
-    RequestProfile,
-    Role,
-    RunningRequest,
-    StepSample,
-    WorkerView,
-)
+from router.front_door import Hold, Router
+from router.types import SLO, Plan, RequestProfile, Role, RunningRequest, StepSample
 
 __all__ = ["SimCluster"]
 
-_ARRIVAL, _RETRY, _STEP_END, _LANDED = 0, 1, 2, 3
-_HISTORY = 200  # finished output lengths kept for the router's estimator
+_ARRIVAL, _RETRY, _STEP_END, _LANDED, _REBALANCE, _FLIPPED = range(6)
 
 _new_running = RunningRequest.__new__
 _set_held = RunningRequest.num_tokens_held.__set__  # type: ignore[attr-defined,misc]
@@ -50,7 +44,7 @@ _set_max_tokens = RunningRequest.max_tokens.__set__  # type: ignore[attr-defined
 
 def _running(held: int, generated: int, max_tokens: int) -> RunningRequest:
     """``RunningRequest(held, generated, max_tokens)`` through its slots: the frozen
-    dataclass ``__init__`` costs more than the rest of a view, at 256 per worker."""
+    dataclass ``__init__`` costs more than the rest of a report, at 256 per worker."""
     r = _new_running(RunningRequest)
     _set_held(r, held)
     _set_generated(r, generated)
@@ -62,74 +56,84 @@ class SimCluster:
     def __init__(
         self,
         profile: Profile,
-        policy: Policy,
+        router: Router,
         roles: list[Role],
         slo: SLO,
         prefill_budget_tokens: int = 8192,
         chunk_tokens: int = 512,
         prefix_caching: bool = False,
-        max_hold_s: float = 30.0,
         hold_poll_s: float = 0.05,
         max_tokens: int | None = None,
         make_admission: Callable[[], Admission] | None = None,
+        rebalance: bool = False,
+        flip_latency_s: float = 0.5,
     ) -> None:
         self.profile = profile
-        self.policy = policy
+        self.router = router
         self.slo = slo
         self.prefix_caching = prefix_caching
-        self.max_hold_s = max_hold_s
+        self.max_hold_s = router.settings.max_hold_s  # the gateway's backstop, as live
         self.hold_poll_s = hold_poll_s
         self.max_tokens = max_tokens
+        self.prefill_budget_tokens = prefill_budget_tokens
+        self.chunk_tokens = chunk_tokens
+        self.make_admission = make_admission
+        self.flip_latency_s = flip_latency_s
         self._dirty: list[SimWorker] = []
-        self.workers = [
-            SimWorker(
-                f"{role.value}-{i}",
-                role,
-                profile,
-                prefill_budget_tokens if role is Role.PREFILL else chunk_tokens,
-                self._schedule_step,
-                self._on_prefilled,
-                self._on_finished,
-                self._on_step,
-                self._dirty,
-                make_admission() if make_admission and role is not Role.PREFILL else None,
-            )
-            for i, role in enumerate(roles)
-        ]
+        self.workers = [self._new_worker(f"{role.value}-{i}", role) for i, role in enumerate(roles)]
         self._by_id = {w.worker_id: w for w in self.workers}
-        self._index = {w.worker_id: i for i, w in enumerate(self.workers)}
-        self._views: list[WorkerView | None] = [None] * len(self.workers)
+        self._seq = {w.worker_id: 0 for w in self.workers}
         self._steps: dict[str, deque[StepSample]] = {
             w.worker_id: deque(maxlen=4) for w in self.workers
         }
         self._caches: dict[str, OrderedDict[int, None]] = {
             w.worker_id: OrderedDict() for w in self.workers
         }
+        self._digests: dict[str, tuple[int, ...]] = {w.worker_id: () for w in self.workers}
         self._link_free_s: dict[str, float] = {w.worker_id: 0.0 for w in self.workers}
-        self._history: deque[int] = deque(maxlen=_HISTORY)
-        self._history_view: tuple[int, ...] = ()
         self._heap: list[tuple[float, int, int, object, int]] = []
-        self._seq = 0
+        self._event_seq = 0
+        self._rebalance = rebalance and router.pressure() is not None
+        self._flipping: tuple[SimWorker, Role] | None = None  # draining toward a new role
+        self._flip_due = False  # its drain is over; FLIPPED is scheduled
         self.records: list[RequestRecord] = []
         self.itl_values_s: list[float] = []
         self.itl_weights: list[float] = []
         self.num_events = 0
         self.num_decisions = 0
         self.num_rejected = 0
+        self.flips: list[tuple[float, str, Role]] = []  # (when done, worker, new role)
         # (router's predicted TTFT, simulated TTFT) per served request, where the policy predicts.
         self.ttft_predictions: list[tuple[float, float]] = []
         self._pending: Iterator[RequestSpec] | None = None  # closed loop: next to send
+
+    def _new_worker(self, worker_id: str, role: Role) -> SimWorker:
+        return SimWorker(
+            worker_id,
+            role,
+            self.profile,
+            self.prefill_budget_tokens if role is Role.PREFILL else self.chunk_tokens,
+            self._schedule_step,
+            self._on_prefilled,
+            self._on_finished,
+            self._on_admitted,
+            self._on_step,
+            self._dirty,
+            self.make_admission() if self.make_admission and role is not Role.PREFILL else None,
+        )
 
     # ---- driving ------------------------------------------------------------
     def run_open_loop(self, specs: list[RequestSpec]) -> None:
         for spec in specs:
             self._push(spec.arrival_s, _ARRIVAL, self._new_request(spec, spec.arrival_s), 0)
+        self._start_rebalancing(specs[0].arrival_s if specs else 0.0)
         self._loop()
 
     def run_closed_loop(self, specs: list[RequestSpec], concurrency: int) -> None:
         self._pending = iter(specs)
         for _ in range(concurrency):
             self._send_next(0.0)
+        self._start_rebalancing(0.0)
         self._loop()
 
     def _send_next(self, now_s: float) -> None:
@@ -141,7 +145,7 @@ class SimCluster:
 
     def _new_request(self, spec: RequestSpec, arrival_s: float) -> SimRequest:
         max_tokens = self.max_tokens if self.max_tokens is not None else spec.output_len
-        req = SimRequest(
+        return SimRequest(
             spec.request_id,
             arrival_s,
             spec.input_len,
@@ -149,7 +153,6 @@ class SimCluster:
             max(max_tokens, spec.output_len),
             spec.hash_ids if self.prefix_caching else (),
         )
-        return req
 
     def _loop(self) -> None:
         heap = self._heap
@@ -162,17 +165,23 @@ class SimCluster:
                 assert isinstance(worker, SimWorker)
                 if version == worker.version:
                     worker.end_step(now_s)
+                    if worker.draining:
+                        self._maybe_flip(worker, now_s)
             elif kind == _LANDED:
                 assert isinstance(payload, SimRequest)
-                assert payload.decode_worker is not None
-                payload.decode_worker.enqueue_decode(payload, now_s)
+                self._landed(payload, now_s)
+            elif kind == _REBALANCE:
+                self._rebalance_tick(now_s)
+            elif kind == _FLIPPED:
+                assert isinstance(payload, SimWorker)
+                self._flipped(payload, now_s)
             else:
                 assert isinstance(payload, SimRequest)
                 self._route(payload, now_s)
 
     def _push(self, time_s: float, kind: int, payload: object, version: int) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (time_s, self._seq, kind, payload, version))
+        self._event_seq += 1
+        heapq.heappush(self._heap, (time_s, self._event_seq, kind, payload, version))
 
     def _schedule_step(self, time_s: float, worker: SimWorker, version: int) -> None:
         self._push(time_s, _STEP_END, worker, version)
@@ -188,34 +197,43 @@ class SimCluster:
             prefix_hashes=req.hash_ids,
             arrival_s=req.arrival_s,
         )
+        self._report_changed(now_s)
         self.num_decisions += 1
-        decision = self.policy.plan(profile, self._cluster_view(now_s), now_s)
+        decision = self.router.place(profile, now_s)
         match decision:
             case Plan():
                 self._place(req, decision, now_s)
-            case Reject(hold=True) if now_s - req.arrival_s < self.max_hold_s:
+            case Hold() if now_s - req.arrival_s < self.max_hold_s:
                 self._push(now_s + min(decision.retry_after_s, self.hold_poll_s), _RETRY, req, 0)
-            case Reject():
+            case _:
+                self.router.release(req.request_id)
                 self._fail(req, f"rejected: {decision.reason}", now_s)
+
+    def _report_changed(self, now_s: float) -> None:
+        """Telemetry: every worker whose state changed since the last decision reports."""
+        update = self.router.update
+        for worker in self._dirty:
+            update(self._report(worker, now_s))
+            worker.dirty = False
+        self._dirty.clear()
 
     def _place(self, req: SimRequest, plan: Plan, now_s: float) -> None:
         prefill = self._by_id[plan.prefill_worker]
-        req.length_class = plan.length_class
+        req.prefill_worker = prefill
         if plan.predicted_ttft_s is not None:
             req.predicted_ttft_s = plan.predicted_ttft_s + (now_s - req.arrival_s)
         if plan.colocated:
             req.decode_worker = None
-            prefill.reserved[req.request_id] = req
         else:
             assert plan.decode_worker is not None
             decode = self._by_id[plan.decode_worker]
             req.decode_worker = decode
-            decode.reserved[req.request_id] = req
-            decode.mark_dirty()
+            decode.num_inbound += 1
         if self.prefix_caching:
             hit = self._cached_prefix_tokens(prefill, req)
             req.prefill_left = req.prefill_total = max(1, req.input_len - hit)
         prefill.enqueue_prefill(req, now_s)
+        self.router.release(req.request_id, prefill.worker_id)  # its queue counts it now
 
     def _fail(self, req: SimRequest, error: str, now_s: float) -> None:
         self.num_rejected += 1
@@ -237,15 +255,27 @@ class SimCluster:
         wire_s = req.input_len * self.profile.kv_bytes_per_token / link.bandwidth_bytes_per_s
         start_s = max(now_s, self._link_free_s[decode.worker_id])
         self._link_free_s[decode.worker_id] = start_s + wire_s
-        self._push(start_s + wire_s + link.latency_s, _LANDED, req, 0)
+        req.transfer_s = wire_s + link.latency_s
+        self._push(start_s + req.transfer_s, _LANDED, req, 0)
+
+    def _landed(self, req: SimRequest, now_s: float) -> None:
+        decode, prefill = req.decode_worker, req.prefill_worker
+        assert decode is not None and prefill is not None
+        num_bytes = req.input_len * self.profile.kv_bytes_per_token
+        self.router.observe_transfer(prefill.worker_id, decode.worker_id, num_bytes, req.transfer_s)
+        decode.enqueue_decode(req, now_s)
+
+    def _on_admitted(self, worker: SimWorker, req: SimRequest, now_s: float) -> None:
+        self.router.release(req.request_id, worker.worker_id)  # its running set counts it now
 
     def _on_finished(self, worker: SimWorker, req: SimRequest, now_s: float) -> None:
         if self.prefix_caching and req.output_len <= 1:
             self._cache_insert(worker, req)
-        req.decode_worker = None
-        worker.reserved.pop(req.request_id, None)
-        self._history.append(req.output_len)
-        self._history_view = ()
+        if req.decode_worker is not None and req.decode_worker is not worker:
+            req.decode_worker.num_inbound -= 1  # finished at its first token: never sent
+        req.decode_worker = req.prefill_worker = None
+        self.router.release(req.request_id)
+        self.router.observe_outcome(req.output_len)
         assert req.ttft_s is not None
         if req.predicted_ttft_s is not None:
             self.ttft_predictions.append((req.predicted_ttft_s, req.ttft_s - req.arrival_s))
@@ -270,6 +300,50 @@ class SimCluster:
             self.itl_weights.append(float(steps * sample.num_decode_seqs))
         self._steps[worker.worker_id].append(sample)
 
+    # ---- the P/D ratio rebalancer ------------------------------------------------
+    def _start_rebalancing(self, now_s: float) -> None:
+        if self._rebalance:
+            self._push(now_s + self.router.settings.rebalance_interval_s, _REBALANCE, None, 0)
+
+    def _rebalance_tick(self, now_s: float) -> None:
+        """As the gateway's ``Rebalancer``: the router's flip, applied by draining the
+        worker (no new plans; what it has finishes), then ``flip_latency_s`` to flip."""
+        if self._flipping is not None:
+            self._maybe_flip(self._flipping[0], now_s)
+        else:
+            self._report_changed(now_s)
+            flip = self.router.plan_flip(now_s)
+            if flip is not None:
+                worker = self._by_id[flip.worker_id]
+                self._flipping = (worker, flip.target)
+                worker.draining = True
+                worker.mark_dirty()
+                self._maybe_flip(worker, now_s)
+        if self._heap:  # more to simulate: keep ticking
+            self._push(now_s + self.router.settings.rebalance_interval_s, _REBALANCE, None, 0)
+
+    def _maybe_flip(self, worker: SimWorker, now_s: float) -> None:
+        flipping = self._flipping
+        if flipping is None or flipping[0] is not worker or self._flip_due:
+            return
+        if worker.is_idle():
+            self._flip_due = True
+            self._push(now_s + self.flip_latency_s, _FLIPPED, worker, 0)
+
+    def _flipped(self, worker: SimWorker, now_s: float) -> None:
+        assert self._flipping is not None
+        _, target = self._flipping
+        self._flipping, self._flip_due = None, False
+        worker.role = target
+        worker.draining = False
+        worker.budget_tokens = (
+            self.prefill_budget_tokens if target is Role.PREFILL else self.chunk_tokens
+        )
+        if worker.admission is None and self.make_admission and target is not Role.PREFILL:
+            worker.admission = self.make_admission()
+        worker.mark_dirty()
+        self.flips.append((now_s, worker.worker_id, target))
+
     # ---- prefix cache --------------------------------------------------------------
     def _cached_prefix_tokens(self, worker: SimWorker, req: SimRequest) -> int:
         cache = self._caches[worker.worker_id]
@@ -291,44 +365,30 @@ class SimCluster:
         limit = max(1, worker.capacity_tokens // max(1, self._block_tokens(req)))
         while len(cache) > limit:
             cache.popitem(last=False)
+        self._digests[worker.worker_id] = tuple(cache)
         worker.mark_dirty()
 
-    # ---- views ----------------------------------------------------------------------
-    def _cluster_view(self, now_s: float) -> ClusterView:
-        views = self._views
-        for worker in self._dirty:
-            views[self._index[worker.worker_id]] = self._worker_view(worker, now_s)
-            worker.dirty = False
-        self._dirty.clear()
-        if not self._history_view and self._history:
-            self._history_view = tuple(self._history)
-        return ClusterView(tuple(views), self._history_view)  # type: ignore[arg-type]
-
-    def _worker_view(self, w: SimWorker, now_s: float) -> WorkerView:
+    # ---- telemetry --------------------------------------------------------------------
+    def _report(self, w: SimWorker, now_s: float) -> SimReport:
+        """What the worker's engine would report now (``WorkerSnapshot``'s fields)."""
         k = w.progress_at(now_s)
-        running = [_running(r.held + k, r.generated + k, r.max_tokens) for r in w.running]
-        reserved_tokens = 0
-        for r in w.reserved.values():
-            if r.decode_worker is w or r.decode_worker is None:  # None: colocated here
-                running.append(_running(r.input_len, r.generated, r.max_tokens))
-                reserved_tokens += r.input_len
-        free_tokens = w.capacity_tokens - w.used_tokens - reserved_tokens
-        bs = self.profile.block_size
-        return WorkerView(
+        running = tuple([_running(r.held + k, r.generated + k, r.max_tokens) for r in w.running])
+        used_tokens = w.used_tokens + k * len(w.running)
+        prof = self.profile
+        seq = self._seq[w.worker_id] = self._seq[w.worker_id] + 1
+        return SimReport(
             worker_id=w.worker_id,
             role=w.role,
-            num_total_blocks=self.profile.num_kv_blocks,
-            num_free_blocks=max(0, free_tokens // bs),
-            block_size=bs,
-            queued_tokens=dict(w.queued_tokens),
-            queued_requests={c: len(q) for c, q in w.queues.items()},
-            running=tuple(running),
+            draining=w.draining,
+            seq=seq,
+            block_size=prof.block_size,
+            num_total_blocks=prof.num_kv_blocks,
+            num_free_blocks=max(0, (w.capacity_tokens - used_tokens) // prof.block_size),
+            running=running,
+            waiting_prompt_lens=tuple([r.prefill_left for r in w.queue]),
             recent_steps=tuple(self._steps[w.worker_id]),
-            prefix_digest=frozenset(self._caches[w.worker_id])
-            if self.prefix_caching
-            else frozenset(),
-            link_bandwidth_bytes_per_s=self.profile.transfer.bandwidth_bytes_per_s,
-            kv_bytes_per_token=self.profile.kv_bytes_per_token,
-            max_num_seqs=self.profile.max_num_seqs,
+            kv_bytes_per_token=prof.kv_bytes_per_token,
+            max_num_seqs=prof.max_num_seqs,
+            prefix_digest=self._digests[w.worker_id],
             prefill_budget_tokens=w.budget_tokens,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from loadgen.sim.cluster import SimCluster
 from loadgen.sim.profile import Profile, load_profile
 from loadgen.workload import RequestSpec, WorkloadError
 from router.estimator import PastFutureAdmission
-from router.policy import make_policy
+from router.front_door import Router, RouterSettings
 from router.types import SLO, Role
 
 __all__ = ["SimConfig", "SimResult", "simulate", "simulate_specs"]
@@ -38,18 +38,27 @@ class SimConfig:
     num_decode: int = 1
     num_colocated: int = 0  # > 0: an aggregated cluster of MIXED workers only
     num_mixed: int = 0  # MIXED workers added to a prefill/decode cluster
-    policy: str = "round_robin"
-    policy_options: dict[str, Any] = field(default_factory=dict)
-    profile: Profile | None = None  # None: the shipped tiny-cpu profile
+    # The router as ``baton serve`` builds it (``RouterSettings.from_config`` of the same
+    # config file); None: RouterConfig's defaults, seeded with ``profile``.
+    router: RouterSettings | None = None
+    policy: str | None = None  # overrides the router settings' policy
+    profile: Profile | None = None  # the simulated hardware; None: the shipped tiny-cpu
     slo: GoodputSLO | None = None
     prefill_budget_tokens: int = 8192
     chunk_tokens: int = 512
     max_tokens: int | None = None  # what the router is told; None: the true output length
-    max_hold_s: float = 30.0  # backstop: a held request fails after this long
     admission: str = (
         "past_future"  # decode admission: past_future (the router's estimator) or greedy
     )
     prior_output_len: int = 1024  # the estimator's pessimistic prior
+    rebalance: bool = True  # the P/D ratio rebalancer, as served (policies with pressure)
+    flip_latency_s: float = 0.5  # from a drained worker to its new role
+
+    def router_settings(self, profile: Profile) -> RouterSettings:
+        settings = self.router or RouterSettings(profile=profile)
+        if self.policy is not None:
+            settings = replace(settings, policy=self.policy)
+        return settings
 
 
 @dataclass(frozen=True)
@@ -68,12 +77,10 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         raise WorkloadError("give a rate or a concurrency")
     roles = _roles(config)
     slo = config.slo or GoodputSLO()
-    options = dict(config.policy_options)
-    if config.policy == "slo_goodput":
-        options.setdefault("profile", profile)  # seed its cost models with the simulated truth
+    settings = config.router_settings(profile)
     cluster = SimCluster(
         profile,
-        make_policy(config.policy, **options),
+        Router(settings),
         roles,
         SLO(
             ttft_s=slo.ttft_ms / 1000 if slo.ttft_ms is not None else None,
@@ -82,17 +89,19 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         prefill_budget_tokens=config.prefill_budget_tokens,
         chunk_tokens=config.chunk_tokens,
         prefix_caching=_shares_prefixes(specs),
-        max_hold_s=config.max_hold_s,
         max_tokens=config.max_tokens,
         make_admission=_admission_factory(config),
+        rebalance=config.rebalance,
+        flip_latency_s=config.flip_latency_s,
     )
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     if config.rate is None:
         assert config.concurrency is not None
         cluster.run_closed_loop(specs, config.concurrency)
     else:
         cluster.run_open_loop(specs)
     wall_s = time.perf_counter() - started
+    cpu_s = time.process_time() - started_cpu
     records = cluster.records
     end_s = max((r.start_s + (r.e2el_s or 0.0) for r in records), default=0.0)
     start_s = min((r.start_s for r in records), default=0.0)
@@ -104,8 +113,11 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
     )
     summary |= {
         "mode": "simulate",
-        "policy": "aggregated" if config.num_colocated else config.policy,
-        "router_policy": config.policy,
+        "policy": "aggregated" if config.num_colocated else settings.policy,
+        "router_policy": settings.policy,
+        "length_split": settings.length_split,
+        "router_profile": f"{settings.profile.model} on {settings.profile.hardware}",
+        "role_flips": len(cluster.flips),
         "num_prefill": roles.count(Role.PREFILL),
         "num_decode": roles.count(Role.DECODE),
         "num_colocated": roles.count(Role.MIXED),
@@ -122,6 +134,7 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         "num_decisions": cluster.num_decisions,
         **_prediction_error(cluster.ttft_predictions),
         "sim_wall_s": wall_s,
+        "sim_cpu_s": cpu_s,  # wall_s on a machine shared with others, less their share
     }
     return SimResult(summary, records)
 

@@ -1,8 +1,10 @@
 """One simulated worker: counts tokens, not phases.
 
 Each step the worker (1) admits decode arrivals whose KV has landed, (2) fills
-the step's token budget with prefill chunks (Sarathi-style: running decodes
-take one token each first), (3) lasts as long as the profile says. A PREFILL
+the step's token budget with prefill chunks from ONE first-come-first-served
+queue, as the engine's scheduler does (Sarathi-style: running decodes take one
+token each first; a preempted request goes back to the front), (3) lasts as long
+as the profile says. A PREFILL
 worker has no running decodes and a large budget; a DECODE worker only
 prefills to recompute a preempted request; a MIXED worker does both (the
 aggregated baseline with chunked prefill).
@@ -24,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from loadgen.sim.profile import Profile
-from router.types import LengthClass, Role, StepSample
+from router.types import Role, StepSample
 
 __all__ = ["Admission", "SimRequest", "SimWorker"]
 
@@ -60,15 +62,16 @@ class SimRequest:
         "hash_ids",
         "held",
         "input_len",
-        "length_class",
         "max_tokens",
         "output_len",
         "predicted_ttft_s",
         "prefill_left",
         "prefill_total",
+        "prefill_worker",
         "rejected",
         "request_id",
         "resume",
+        "transfer_s",
         "ttft_s",
     )
 
@@ -88,7 +91,8 @@ class SimRequest:
         self.max_tokens = max_tokens
         self.hash_ids = hash_ids
         self.decode_worker: SimWorker | None = None  # None: colocated
-        self.length_class = LengthClass.SHORT
+        self.prefill_worker: SimWorker | None = None
+        self.transfer_s = 0.0  # the KV pull's duration, once it started
         self.prefill_left = input_len  # tokens still to compute
         self.prefill_total = input_len
         self.held = 0  # KV tokens held on the decode side
@@ -118,6 +122,7 @@ class SimWorker:
         schedule: Callable[[float, SimWorker, int], None],
         on_prefilled: Hook,
         on_finished: Hook,
+        on_admitted: Hook,
         on_step: StepHook,
         dirty_list: list[SimWorker],
         admission: Admission | None = None,
@@ -130,17 +135,14 @@ class SimWorker:
         self._schedule = schedule
         self._on_prefilled = on_prefilled
         self._on_finished = on_finished
+        self._on_admitted = on_admitted
         self._on_step = on_step
         self.admission = admission  # None: admit whenever the KV fits now (vLLM-style)
-        self.queues: dict[LengthClass, deque[SimRequest]] = {
-            LengthClass.SHORT: deque(),
-            LengthClass.LONG: deque(),
-        }
-        self.queued_tokens = {LengthClass.SHORT: 0, LengthClass.LONG: 0}
-        self._turn = LengthClass.SHORT  # alternates when both queues wait (LAPS temporal split)
+        self.queue: deque[SimRequest] = deque()  # prefill work, FCFS
         self.waiting: deque[SimRequest] = deque()  # KV landed, not yet admitted
         self.running: list[SimRequest] = []
-        self.reserved: dict[str, SimRequest] = {}  # planned here, not admitted yet
+        self.num_inbound = 0  # planned to decode here, not admitted yet
+        self.draining = False
         self.used_tokens = 0
         self.version = 0  # bumps invalidate a scheduled step end
         self.busy = False
@@ -162,9 +164,12 @@ class SimWorker:
             self._dirty_list.append(self)
 
     # ---- arrivals -------------------------------------------------------
+    def is_idle(self) -> bool:
+        """Nothing queued, running, landing or on its way here (a drain is over)."""
+        return not (self.busy or self.queue or self.waiting or self.running or self.num_inbound)
+
     def enqueue_prefill(self, req: SimRequest, now_s: float) -> None:
-        self.queues[req.length_class].append(req)
-        self.queued_tokens[req.length_class] += req.prefill_left
+        self.queue.append(req)
         self.mark_dirty()
         self._poke(now_s)
 
@@ -288,9 +293,10 @@ class SimWorker:
             if self.running and not self._estimator_admits(req, need):
                 break  # an empty worker always admits what fits, or nothing would move
             self.waiting.popleft()
-            self.reserved.pop(req.request_id, None)
+            self.num_inbound -= 1
             req.held = need
             self._join(req)
+            self._on_admitted(self, req, now_s)
 
     def _estimator_admits(self, req: SimRequest, need: int) -> bool:
         if self.admission is None:
@@ -309,7 +315,6 @@ class SimWorker:
 
     def join_colocated(self, req: SimRequest) -> None:
         req.held = req.input_len + req.generated
-        self.reserved.pop(req.request_id, None)
         self._join(req)
 
     def _join(self, req: SimRequest) -> None:
@@ -325,39 +330,26 @@ class SimWorker:
             victim.prefill_left = victim.prefill_total = victim.held
             victim.held = 0
             victim.resume = True
-            self.queues[LengthClass.LONG].appendleft(victim)
-            self.queued_tokens[LengthClass.LONG] += victim.prefill_left
+            self.queue.appendleft(victim)
             self.num_preempted += 1
             if self.admission is not None:
                 self.admission.record_exhaustion()
 
     def _take_chunks(self) -> list[tuple[SimRequest, int]]:
+        """The queue's head fills what the running decodes leave of the budget. A
+        request whose last chunk is taken leaves the queue (the engine runs it); one
+        cut by the budget stays at the head, its remaining tokens still waiting."""
         budget = self.budget_tokens - len(self.running)
         chunks: list[tuple[SimRequest, int]] = []
-        short, long_ = self.queues[LengthClass.SHORT], self.queues[LengthClass.LONG]
-        if not short and not long_:
-            return chunks
-        order = (short, long_) if self._turn is LengthClass.SHORT or not long_ else (long_, short)
-        self._turn = LengthClass.LONG if self._turn is LengthClass.SHORT else LengthClass.SHORT
-        for queue in order:
-            # Walk the queue head-first without consuming: a request leaves the
-            # queue only when its last chunk is taken.
-            i = 0
-            while budget > 0 and i < len(queue):
-                req = queue[i]
-                pending = req.prefill_left - sum(n for r, n in chunks if r is req)
-                n = min(pending, budget)
-                chunks.append((req, n))
-                budget -= n
-                cls = LengthClass.LONG if queue is long_ else LengthClass.SHORT
-                self.queued_tokens[cls] -= n
-                if n == pending:
-                    del queue[i]
-                else:
-                    i += 1
-                    break
-            if budget <= 0:
+        queue = self.queue
+        while queue and budget > 0:
+            req = queue[0]
+            n = min(req.prefill_left, budget)
+            chunks.append((req, n))
+            budget -= n
+            if n < req.prefill_left:
                 break
+            queue.popleft()
         return chunks
 
     # ---- closed-form segment timing ----------------------------------------

@@ -4,7 +4,8 @@ For a request of effective prefill length ``n`` (per worker: its own prefix hit)
 
 1. *Prefill side*, every prefill worker ``P``:
    ``TTFT_P = wait(class of n) + prefill(n) + encode`` and, disaggregated, plus
-   ``transfer = n_total·kv_bytes_per_token / min(bandwidth_P, bandwidth_D) + latency``.
+   ``transfer = n_total·kv_bytes_per_token / min(bandwidth_P, bandwidth_D)
+   + max(latency_P, latency_D)`` (each worker's link as measured, else the profile's).
    The prefill worker of a disaggregated plan is the one with the least
    ``TTFT_P + n_total·kv_bytes_per_token / bandwidth_P``.
 2. *Decode side*, every decode worker ``D``: room for one more sequence, the
@@ -240,7 +241,7 @@ class SloGoodput:
         if score[p] < np.inf:
             kv_bytes = held_q * t.kv_bytes_per_token[p]
             ttft_pair = ttft_local[p] + kv_bytes / np.minimum(t.bandwidth[p], t.bandwidth)
-            ttft_pair += self._profile.transfer.latency_s
+            ttft_pair += np.maximum(t.link_latency_s[p], t.link_latency_s)  # the slower end
             ok = decode_ok & decodable & (ttft_pair <= budget_s)
             d = self._pick(ok, sure, t.fullness, held_q, r_q, limit)
             if d >= 0:

@@ -346,6 +346,7 @@ class LLMEngine:
             num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
             cached_block_hashes=bm.cached_hashes(_PREFIX_DIGEST_BLOCKS),
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
         )
 
     def encode(self, text: str) -> list[int]:

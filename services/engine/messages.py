@@ -248,6 +248,7 @@ class EngineStats:
     # Chained hashes (services/engine/block_hash.py) of cached full blocks, the most
     # recently cached last: the router's prefix digest of this engine.
     cached_block_hashes: tuple[int, ...] = ()
+    max_num_batched_tokens: int = 0  # the step's token budget; 0: unknown
 
     @property
     def num_used_blocks(self) -> int:

@@ -1,6 +1,8 @@
 """The plan executor: one request's journey through the workers, as one token stream.
 
-    place          router.plan(profile, view) -> Plan | Reject (hold, then 429)
+    place          router.place(profile, now) -> Plan | Hold | Reject (hold, then 429);
+                   the plan stays reserved on a worker until that worker's first
+                   event (its telemetry counts the request from then on)
     colocated      Generate(request) on one worker; stream its deltas
     disaggregated  Generate(prefill_only) on the prefill worker -> first token
                    (streamed at once) + BlockHandle; Continue(request, handle)
@@ -13,7 +15,9 @@
                    back (an incomplete UTF-8 character, a possible stop string)
 
 Every worker a request touched is told to abort it if the request does not end
-normally (client hung up, error): its blocks, held ones included, are freed.
+normally (client hung up, error): its blocks, held ones included, are freed. However
+the request ends, the router is told (``release``), and a finished KV pull is
+reported to it (``observe_transfer``) so that it prices links as they perform.
 """
 
 from __future__ import annotations
@@ -25,14 +29,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from router.policy import Policy
+from router.front_door import Hold, Router
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
 from services.engine.block_hash import compute_block_hashes
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.gateway.errors import BadRequest, Overloaded, ServiceFailure
-from services.gateway.state import ClusterState, Reservation
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient, WorkerDiedError
 from services.workers.messages import (
@@ -72,25 +75,23 @@ class _AttemptFailed(Exception):
 class PlanExecutor:
     def __init__(
         self,
-        state: ClusterState,
+        router: Router,
         clients: Callable[[str], WorkerClient | None],
-        policy: Policy,
         metrics: BatonMetrics,
         config: ExecutorConfig,
         on_worker_died: Callable[[str], None],
         tokenizer: Tokenizer,
     ) -> None:
         self._tokenizer = tokenizer
-        self._state = state
+        self._router = router
         self._clients = clients
-        self._policy = policy
         self._metrics = metrics
         self._config = config
         self._on_worker_died = on_worker_died
 
-    def set_policy(self, name: str, policy: Policy) -> None:
-        """Place requests with ``policy`` from now on (placed ones are unaffected)."""
-        self._policy = policy
+    def use_policy(self, name: str) -> None:
+        """Place requests with the policy ``name`` from now on (placed ones are unaffected)."""
+        self._router.use_policy(name)
         self._config = replace(self._config, policy_name=name)
 
     async def run(
@@ -121,13 +122,37 @@ class PlanExecutor:
             include_stop_str_in_output=sampling.include_stop_str_in_output,
         )
         generated: list[int] = []
+        attempts = self._attempts(profile, prompt_token_ids, sampling, detokenizer)
+        try:
+            async with _closing(attempts):
+                async for delta in attempts:
+                    generated.extend(delta.token_ids)
+                    if delta.finish_reason is not None:
+                        self._router.observe_outcome(len(generated))
+                    yield delta
+        finally:
+            self._router.release(request_id)
+
+    async def _attempts(
+        self,
+        profile: RequestProfile,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+    ) -> AsyncGenerator[TokenDelta, None]:
+        """Place and run the request, placing it again (at most ``max_attempts`` times)
+        after a failure; ends after the delta with ``finish_reason``."""
+        request_id = profile.request_id
+        generated: list[int] = []
         for attempt in range(self._config.max_attempts):
             attempt_id = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
             placing = profile if attempt == 0 else _replaced(profile, len(generated))
             plan = await self._place(placing, replaced=attempt > 0)
             if attempt == 0:
-                self._metrics.stage_s.labels("queue").observe(time.monotonic() - arrival_s)
-            stream = self._execute(plan, attempt_id, prompt_token_ids, tuple(generated), sampling)
+                self._metrics.stage_s.labels("queue").observe(time.monotonic() - profile.arrival_s)
+            stream = self._execute(
+                plan, request_id, attempt_id, prompt_token_ids, tuple(generated), sampling
+            )
             try:
                 async with _closing(stream):  # closing aborts what is unfinished
                     async for delta in stream:
@@ -135,7 +160,6 @@ class PlanExecutor:
                         delta = _detokenize(detokenizer, delta, request_id)
                         yield delta
                         if delta.finish_reason is not None:
-                            self._state.record_output_len(len(generated))
                             return
                 reason = "stream_ended"
             except WorkerDiedError as e:
@@ -149,7 +173,7 @@ class PlanExecutor:
 
     def _prefix_hashes(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
         """The prompt's full blocks named as the workers name their cached blocks."""
-        block_size = self._state.block_size()
+        block_size = self._router.block_size()
         if block_size is None:
             return ()
         return tuple(compute_block_hashes(prompt, block_size))
@@ -160,26 +184,32 @@ class PlanExecutor:
         rejection until room appears (``replace_hold_s``): its stream has started."""
         hold_s = self._config.replace_hold_s if replaced else self._config.max_hold_s
         deadline_s = time.monotonic() + hold_s
+        router = self._router
         while True:
             now_s = time.monotonic()
-            decision = self._policy.plan(profile, self._state.view(), now_s)
+            decision = router.place(profile, now_s, replaced=replaced)
             self._metrics.decision_s.labels(self._config.policy_name).observe(
                 time.monotonic() - now_s
             )
-            match decision:
-                case Plan() if self._plan_is_live(decision):
+            if isinstance(decision, Plan):
+                if self._plan_is_live(decision):
                     return decision
-                case Reject() if replaced and time.monotonic() < deadline_s:
-                    await asyncio.sleep(self._config.hold_poll_s)
-                case Reject(hold=True) | Plan() if time.monotonic() < deadline_s:
-                    await asyncio.sleep(self._config.hold_poll_s)
-                case Reject(reason=reason, retry_after_s=retry_after_s, retryable=retryable):
-                    self._metrics.rejections.labels(reason, profile.priority.value).inc()
-                    raise Overloaded(
-                        f"request rejected: {reason}", retry_after_s, should_retry=retryable
-                    )
-                case Plan():
-                    raise Overloaded("the planned workers are gone", 1.0)
+                _unreserve(router, profile.request_id, decision)  # a worker left meanwhile
+            may_wait = replaced or not isinstance(decision, Reject)
+            if not may_wait or time.monotonic() >= deadline_s:
+                raise self._refusal(profile, decision)
+            await asyncio.sleep(self._config.hold_poll_s)
+
+    def _refusal(self, profile: RequestProfile, decision: Plan | Hold | Reject) -> Overloaded:
+        match decision:
+            case Plan():
+                return Overloaded("the planned workers are gone", 1.0)
+            case Hold(reason=reason, retry_after_s=retry_after_s):
+                retryable = True
+            case Reject(reason=reason, retry_after_s=retry_after_s, retryable=retryable):
+                pass
+        self._metrics.rejections.labels(reason, profile.priority.value).inc()
+        return Overloaded(f"request rejected: {reason}", retry_after_s, should_retry=retryable)
 
     def _plan_is_live(self, plan: Plan) -> bool:
         names = [plan.prefill_worker, plan.decode_worker]
@@ -189,23 +219,28 @@ class PlanExecutor:
     async def _execute(
         self,
         plan: Plan,
+        placed_id: str,
         request_id: str,
         prompt: tuple[int, ...],
         generated: tuple[int, ...],
         sampling: SamplingParams,
     ) -> AsyncGenerator[TokenDelta, None]:
+        """Run one placement; ``placed_id`` names its reservation in the router,
+        ``request_id`` the request on the workers (attempts differ)."""
         if plan.colocated or generated:
             # A continuation after a failure runs where decoding would have run.
             worker_id = plan.decode_worker if generated and plan.decode_worker else None
             worker_id = worker_id or plan.prefill_worker
+            _unreserve(self._router, placed_id, plan, keep=worker_id)
             request = EngineRequest(request_id, prompt, sampling, output_token_ids=generated)
-            async with _closing(self._stream(worker_id, Generate(request), prefill=True)) as s:
+            stream = self._stream(worker_id, Generate(request), placed_id, prefill=True)
+            async with _closing(stream) as s:
                 async for delta in s:
                     yield delta
             return
         assert plan.decode_worker is not None
         disaggregated = self._disaggregated(
-            plan.prefill_worker, plan.decode_worker, request_id, prompt, sampling
+            plan.prefill_worker, plan.decode_worker, placed_id, request_id, prompt, sampling
         )
         async with _closing(disaggregated) as s:
             async for delta in s:
@@ -215,19 +250,18 @@ class PlanExecutor:
         self,
         prefill_id: str,
         decode_id: str,
+        placed_id: str,
         request_id: str,
         prompt: tuple[int, ...],
         sampling: SamplingParams,
     ) -> AsyncGenerator[TokenDelta, None]:
-        decode_reservation = self._state.reserve(
-            decode_id, len(prompt), sampling.max_tokens, prefill=False
-        )
         completed = False
         try:
             handle = None
             first_tokens: tuple[int, ...] = ()
             request = EngineRequest(request_id, prompt, sampling, prefill_only=True)
-            async with _closing(self._stream(prefill_id, Generate(request), prefill=True)) as s:
+            prefill = self._stream(prefill_id, Generate(request), placed_id, prefill=True)
+            async with _closing(prefill) as s:
                 async for delta in s:
                     first_tokens += delta.token_ids
                     if delta.finish_reason is FinishReason.PREFILLED:
@@ -239,9 +273,8 @@ class PlanExecutor:
                 return  # the first token already finished the request
             request = EngineRequest(request_id, prompt, sampling, output_token_ids=first_tokens)
             started_s = time.monotonic()
-            stream = self._stream(
-                decode_id, Continue(request, handle), prefill=False, reserved=decode_reservation
-            )
+            job = Continue(request, handle)
+            stream = self._stream(decode_id, job, placed_id, prefill=False, pulled_from=prefill_id)
             async with _closing(stream) as s:
                 async for delta in s:
                     completed = delta.finish_reason is not None
@@ -250,7 +283,7 @@ class PlanExecutor:
                         self._metrics.stage_s.labels("decode").observe(decode_s)
                     yield delta
         finally:
-            self._state.release(decode_reservation)
+            self._router.release(placed_id, decode_id)
             prefill_client = self._clients(prefill_id)
             if not completed and prefill_client is not None:
                 prefill_client.abort(request_id)  # frees the hold if nobody pulled it
@@ -259,19 +292,17 @@ class PlanExecutor:
         self,
         worker_id: str,
         job: Job,
+        placed_id: str,
         *,
         prefill: bool,
-        reserved: Reservation | None = None,
+        pulled_from: str | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
-        """One worker's events as deltas; failures as exceptions; abort if cut short."""
+        """One worker's events as deltas; failures as exceptions; abort if cut short.
+        The router's reservation of ``placed_id`` on this worker ends at its first event."""
         client = self._clients(worker_id)
         if client is None:
             raise WorkerDiedError(worker_id, "not in the registry")
         request = job.request
-        if prefill:
-            reserved = self._state.reserve(
-                worker_id, len(request.prompt_token_ids), request.sampling.max_tokens, prefill=True
-            )
         started_s = time.monotonic()
         finished = False
         first = True
@@ -279,7 +310,8 @@ class PlanExecutor:
         try:
             events = client.generate(job)
             async for event in events:
-                self._state.release(reserved)  # the worker's telemetry counts it now
+                if first:
+                    self._router.release(placed_id, worker_id)  # its telemetry counts it now
                 match event:
                     case TokenDelta() as delta:
                         if prefill and first:
@@ -290,10 +322,15 @@ class PlanExecutor:
                         finished = delta.finish_reason is not None
                         yield delta
                     case KVPulled(num_bytes=num_bytes, duration_s=duration_s):
+                        first = False
                         backend = self._config.kv_backend
                         self._metrics.transfer_bytes.labels(backend).inc(num_bytes)
                         self._metrics.transfer_s.labels(backend).observe(duration_s)
                         self._metrics.stage_s.labels("transfer").observe(duration_s)
+                        if pulled_from is not None:
+                            self._router.observe_transfer(
+                                pulled_from, worker_id, num_bytes, duration_s
+                            )
                     case RequestFailed(kind=FailureKind.INVALID, message=message, param=param):
                         finished = True
                         raise BadRequest(message, param)
@@ -304,12 +341,19 @@ class PlanExecutor:
                         log.warning("request %s on %s: %s", request.request_id, worker_id, message)
                         raise _AttemptFailed(kind.value)
         finally:
-            self._state.release(reserved)
+            self._router.release(placed_id, worker_id)
             if not finished:
                 client.abort(request.request_id)
             aclose = getattr(events, "aclose", None) if events is not None else None
             if aclose is not None:
                 await aclose()
+
+
+def _unreserve(router: Router, placed_id: str, plan: Plan, keep: str | None = None) -> None:
+    """Drop the plan's reservations on its workers, but ``keep``'s."""
+    for worker_id in {plan.prefill_worker, plan.decode_worker or plan.prefill_worker}:
+        if worker_id != keep:
+            router.release(placed_id, worker_id)
 
 
 def _replaced(profile: RequestProfile, num_generated: int) -> RequestProfile:

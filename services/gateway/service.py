@@ -1,21 +1,26 @@
-"""The gateway's runtime: controller + cluster state + router policy + plan executor + metrics.
+"""The gateway's runtime, wired: controller -> router -> plan executor, plus metrics.
 
 ``GatewayService`` is what the HTTP routes call. It takes the gateway, router
 and model sections of the config, a tokenizer and the worker specs with a
 launcher (Ray actors in ``baton serve``, in-process workers in unit tests).
+Everything the router decides with lives in ``router.Router`` (the same object
+``baton simulate`` drives): telemetry goes in through ``update``, requests through
+the executor's ``place``/``release``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from router.front_door import Router, RouterSettings
 from router.planner import RatioPlanner
-from router.policy import Policy, available_policies, make_policy, make_policy_from_settings
+from router.policy import available_policies
 from router.types import SLO, Priority, Role
 from services.cluster.controller import Controller, ControllerConfig, Launcher
 from services.cluster.rebalance import Rebalancer
@@ -23,19 +28,17 @@ from services.config import GatewayConfig, ModelConfig, RouterConfig
 from services.engine.messages import SamplingParams
 from services.gateway.deadline import until_deadline
 from services.gateway.executor import ExecutorConfig, PlanExecutor
-from services.gateway.state import ClusterState
 from services.gateway.tokens import Tokenizer
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient
 from services.workers.messages import TokenDelta, WorkerSnapshot
 from services.workers.worker import WorkerSpec
 
-__all__ = ["GatewayService", "GatewaySettings", "choose_policy"]
+__all__ = ["GatewayService", "GatewaySettings", "make_router"]
 
 log = logging.getLogger(__name__)
 
 _FALLBACK_POLICY = "round_robin"
-_PROMPT_EMA_WEIGHT = 0.05  # mean prompt length the ratio planner sizes prefill by
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,27 +49,18 @@ class GatewaySettings:
     kv_backend: str
 
 
-def choose_policy(router: RouterConfig) -> tuple[str, Policy]:
-    """The configured policy with its settings, or round_robin (said loudly) if it is unknown."""
-    name = router.policy
-    if name not in available_policies():
+def make_router(config: RouterConfig) -> Router:
+    """The configured router, or one with round_robin (said loudly) if the policy is unknown."""
+    settings = RouterSettings.from_config(config)
+    if settings.policy not in available_policies():
         log.warning(
             "router policy %r is not available (have: %s); falling back to %r",
-            name,
+            settings.policy,
             ", ".join(available_policies()),
             _FALLBACK_POLICY,
         )
-        return _FALLBACK_POLICY, make_policy(_FALLBACK_POLICY)
-    slo = router.default_slo
-    settings = {
-        "profile": router.profile,
-        "default_slo": SLO(ttft_s=slo.ttft_ms / 1e3, tpot_s=slo.tpot_ms / 1e3),
-        "length_split": router.length_split,
-        "length_threshold_tokens": router.length_threshold_tokens,
-        "memory_fraction": router.memory_fraction,
-        "max_hold_s": router.max_hold_s,
-    }
-    return name, make_policy_from_settings(name, settings)
+        settings = dataclasses.replace(settings, policy=_FALLBACK_POLICY)
+    return Router(settings)
 
 
 class GatewayService:
@@ -84,7 +78,8 @@ class GatewayService:
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = metrics or BatonMetrics()
-        self.state = ClusterState(settings.router.length_threshold_tokens)
+        self.router = make_router(settings.router)
+        self._max_model_lens: dict[str, int] = {}
         self.controller = Controller(
             specs,
             launch,
@@ -92,11 +87,10 @@ class GatewayService:
             on_worker_down=self._on_worker_down,
             config=controller_config,
         )
-        self.policy_name, policy = choose_policy(settings.router)
+        self.policy_name = self.router.settings.policy
         self.executor = PlanExecutor(
-            self.state,
+            self.router,
             self.controller.client,
-            policy,
             self.metrics,
             ExecutorConfig(
                 policy_name=self.policy_name,
@@ -106,13 +100,12 @@ class GatewayService:
             on_worker_died=self.controller.report_dead,
             tokenizer=tokenizer,
         )
-        self.rebalancer = self._make_rebalancer(policy) if rebalance else None
+        self.rebalancer = self._make_rebalancer() if rebalance else None
         self._rebalance_task: asyncio.Task[None] | None = None
         self.started_s = time.time()
         self.draining = False
         self._started = False
         self._num_inflight = 0
-        self._mean_prompt_tokens = 0.0
 
     @property
     def model_name(self) -> str:
@@ -132,25 +125,26 @@ class GatewayService:
             await asyncio.gather(self._rebalance_task, return_exceptions=True)
         await self.controller.stop()
 
-    def _make_rebalancer(self, policy: Policy) -> Rebalancer | None:
-        """A P/D ratio planner loop, when the policy can report role pressure."""
-        pressure = getattr(policy, "pressure", None)
+    def _make_rebalancer(self) -> Rebalancer | None:
+        """A P/D ratio planner loop, when the router's policy can report role pressure."""
+        router = self.router
+        pressure = getattr(router.policy, "pressure", None)
         if not callable(pressure):
             return None
         return Rebalancer(
             self.controller,
-            self.state.view,
+            router.view,
             pressure,
-            RatioPlanner(interval_s=self.settings.router.rebalance_interval_s),
+            RatioPlanner(interval_s=router.settings.rebalance_interval_s),
             self.metrics,
-            lambda: self._mean_prompt_tokens,
+            lambda: router.mean_prompt_tokens,
         )
 
     def is_ready(self) -> bool:
-        return self._started and not self.draining and bool(self.state.snapshots())
+        return self._started and not self.draining and bool(self.router.reports())
 
     def max_model_len(self) -> int | None:
-        return self.state.max_model_len()
+        return min(self._max_model_lens.values(), default=None)
 
     # -- requests ------------------------------------------------------------------------
     def try_admit(self) -> bool:
@@ -176,9 +170,6 @@ class GatewayService:
         priority: Priority = Priority.INTERACTIVE,
     ) -> AsyncIterator[TokenDelta]:
         """Run one request; targets ``slo`` leaves out are ``router.default_slo``'s."""
-        n = len(prompt_token_ids)
-        m = self._mean_prompt_tokens
-        self._mean_prompt_tokens = n if m == 0 else m + _PROMPT_EMA_WEIGHT * (n - m)
         stream = self.executor.run(
             request_id,
             prompt_token_ids,
@@ -203,7 +194,9 @@ class GatewayService:
 
     # -- telemetry -------------------------------------------------------------------------
     def _on_snapshot(self, s: WorkerSnapshot) -> None:
-        self.state.update(s)
+        self.router.update(s)
+        if self.router.is_alive(s.worker_id):
+            self._max_model_lens[s.worker_id] = s.max_model_len
         m, wid, role = self.metrics, s.worker_id, s.role.value
         m.kv_blocks.labels(wid, role, "used").set(s.num_used_blocks)
         m.kv_blocks.labels(wid, role, "free").set(s.num_free_blocks)
@@ -215,7 +208,8 @@ class GatewayService:
         self._count_workers()
 
     def _on_worker_down(self, worker_id: str, role: Role) -> None:
-        self.state.mark_dead(worker_id)
+        self.router.mark_dead(worker_id)
+        self._max_model_lens.pop(worker_id, None)
         self.metrics.workers.labels(role.value, "dead").inc()
         self._count_workers()
         m = self.metrics
@@ -231,7 +225,7 @@ class GatewayService:
 
     def _count_workers(self) -> None:
         alive: dict[str, int] = {r.value: 0 for r in Role}
-        for s in self.state.snapshots().values():
+        for s in self.router.reports().values():
             alive[s.role.value] += 1
         for role, n in alive.items():
             self.metrics.workers.labels(role, "alive").set(n)

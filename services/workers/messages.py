@@ -120,6 +120,7 @@ class WorkerSnapshot:
     max_num_seqs: int
     max_model_len: int
     prefix_digest: tuple[int, ...] = ()  # hashes of cached full blocks (block_hash.py)
+    prefill_budget_tokens: int = 0  # tokens one engine step computes at most; 0: unknown
 
     @property
     def num_used_blocks(self) -> int:

@@ -55,6 +55,7 @@ def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
         max_num_seqs=loop.max_num_seqs,
         max_model_len=engine.model_info.max_model_len,
         prefix_digest=stats.cached_block_hashes,
+        prefill_budget_tokens=stats.max_num_batched_tokens,
     )
 
 

@@ -14,10 +14,10 @@ a 15% error of its own. So the test alternates: profile, run, three times; the
 profile is the mean of the three (a prediction is linear in the coefficients)
 and the live figures come from all runs' records together.
 
-The server routes with ``round_robin``, so every request takes the
-disaggregated path the profile's probes measure (prefill, hand-off, decode);
-under ``slo_goodput`` a request may be colocated on the decode worker, a choice
-its online cost model makes from timing noise the simulator cannot replay.
+Both ``round_robin`` and ``slo_goodput`` (the served default) are held to the
+bound. The simulator runs what serves: its router is built from the same config
+file's ``router`` section (``RouterSettings.from_config``, the same seed profile),
+and only the simulated hardware comes from the measured profile.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ from loadgen.report import write_run
 from loadgen.scenario import WorkloadConfig
 from loadgen.sim import SimConfig, simulate
 from loadgen.sim.profile import Profile, QuadCoeffs
+from router.front_door import RouterSettings
+from services.config import load_config
 
 pytestmark = [
     pytest.mark.slow,
@@ -55,6 +57,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFIG = "deploy/configs/local.yaml"
 # An open loop light enough that the 1 prefill + 1 decode workers rarely run at once:
 # on a 2-core machine they share the cores (with the gateway and this client), and
 # that contention is what neither the profile nor the simulator models.
@@ -71,8 +74,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+@pytest.fixture(scope="module", params=["round_robin", "slo_goodput"])
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     port = _free_port()
     proc = subprocess.Popen(
         [
@@ -81,13 +84,13 @@ def server() -> Iterator[str]:
             "services.cli",
             "serve",
             "--config",
-            "deploy/configs/local.yaml",
+            CONFIG,
             "--port",
             str(port),
             "--log-level",
             "warning",
             "--policy",
-            "round_robin",
+            request.param,
         ],
         cwd=ROOT,
     )
@@ -105,7 +108,7 @@ def server() -> Iterator[str]:
             time.sleep(1)
         else:
             pytest.fail("baton serve did not come up in 180 s")
-        yield url
+        yield request.param, url
     finally:
         proc.terminate()
         try:
@@ -145,12 +148,13 @@ def _mean_profile(profiles: list[Profile]) -> Profile:
     )
 
 
-def test_bench_zero_failed_and_close_to_simulation(server: str, tmp_path: Path) -> None:
+def test_bench_zero_failed_and_close_to_simulation(server: tuple[str, str], tmp_path: Path) -> None:
+    policy, url = server
     slo = GoodputSLO(ttft_ms=400.0, tpot_ms=60.0)
     profiles, records = [], []
     for _ in range(ROUNDS):
-        profiles.append(_measure_profile(server))
-        result = run_bench(BenchConfig(server, WORKLOAD, rate=RateSpec(RATE_PER_S), slo=slo))
+        profiles.append(_measure_profile(url))
+        result = run_bench(BenchConfig(url, WORKLOAD, rate=RateSpec(RATE_PER_S), slo=slo))
         assert result.summary["failed"] == 0
         assert result.summary["completed"] == WORKLOAD.num_requests
         records += result.records
@@ -166,13 +170,14 @@ def test_bench_zero_failed_and_close_to_simulation(server: str, tmp_path: Path) 
             rate=RateSpec(RATE_PER_S),
             num_prefill=1,
             num_decode=1,
-            policy="round_robin",
+            router=RouterSettings.from_config(load_config(ROOT / CONFIG).router),
+            policy=policy,
             profile=profile,
             slo=slo,
         )
     ).summary
     live = compute_summary(records, ROUNDS * result.summary["duration"], slo)
     keys = ("median_ttft_ms", "median_tpot_ms", "request_goodput", "request_throughput")
-    print(json.dumps({"fidelity": {k: {"live": live[k], "sim": sim[k]} for k in keys}}))
+    print(json.dumps({"fidelity": policy, **{k: {"live": live[k], "sim": sim[k]} for k in keys}}))
     for key in keys:
         assert sim[key] == pytest.approx(live[key], rel=0.2), (key, sim[key], live[key], profile)

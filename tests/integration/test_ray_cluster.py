@@ -166,4 +166,4 @@ def test_an_idle_dead_worker_is_noticed_within_a_second(nixl_2p2d: ServedGateway
     while victim in nixl_2p2d.svc.controller.workers():
         assert time.monotonic() - killed_s < 1.0, "death not noticed within a second"
         time.sleep(0.01)
-    assert not nixl_2p2d.svc.state.is_alive(victim)  # the router no longer sees it
+    assert not nixl_2p2d.svc.router.is_alive(victim)  # the router no longer sees it

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from router.policy import make_policy
+from router.types import Plan, RequestProfile
 from services.engine.messages import SamplingParams
 from services.gateway.errors import Overloaded, ServiceFailure
-from services.gateway.service import GatewayService, choose_policy
+from services.gateway.service import GatewayService
 from tests.support.cluster import real_service, tiny_config
 from tests.support.server import ServedGateway
 
@@ -68,15 +68,15 @@ def test_shared_prefix_lands_where_it_is_cached(two_mixed_prefix_aware: ServedGa
 
     # The tie-break winner when both are idle is the first worker of the view: load it,
     # so that the first prompt goes to the other one, then unload it.
-    first_choice = svc.state.view().workers[0].worker_id
-    load = svc.state.reserve(first_choice, 100_000, 1, prefill=True)
+    first_choice = svc.router.view().workers[0].worker_id
+    svc.router.reserve(RequestProfile("load", 100_000, 100_000, 1), Plan(first_choice, None))
     home, _ = server.call(run("seed", PREFIX + "question zero?"))
-    svc.state.release(load)
+    svc.router.release("load")
     assert home != first_choice
     server.call(settle())
 
-    assert svc.state.view().workers  # both idle again: only affinity separates them
-    digests = {w.worker_id: w.prefix_digest for w in svc.state.view().workers}
+    assert svc.router.view().workers  # both idle again: only affinity separates them
+    digests = {w.worker_id: w.prefix_digest for w in svc.router.view().workers}
     assert len(digests[home]) >= len(PREFIX) // 16 and not digests[first_choice]
     for i in range(4):
         worker, cached = server.call(run(f"follow-{i}", PREFIX + f"question {i + 1}?"))
@@ -184,20 +184,16 @@ def test_short_prompts_p90_ttft_lower_under_slo_goodput_than_round_robin(
     server = two_prefill_two_decode
     svc = server.svc
     arrivals = mixed_workload(SEED)
-    policies = {
-        "round_robin": ("round_robin", make_policy("round_robin")),
-        "slo_goodput": choose_policy(svc.settings.router),
-    }
-    assert policies["slo_goodput"][0] == "slo_goodput"
+    assert svc.router.settings.policy == "slo_goodput"
     # Warm up every worker (first steps allocate) under the measured policies.
     for name in ("round_robin", "slo_goodput"):
-        svc.executor.set_policy(*policies[name])
+        svc.executor.use_policy(name)
         server.call(run_phase(svc, arrivals[:40], salt=100 + len(name)), timeout_s=60)
 
     short: dict[str, list[float]] = {"round_robin": [], "slo_goodput": []}
     prefilled_on: dict[bool, set[str]] = {True: set(), False: set()}  # long? -> workers
     for salt, name in enumerate(PHASES):
-        svc.executor.set_policy(*policies[name])
+        svc.executor.use_policy(name)
         results = server.call(run_phase(svc, arrivals, salt), timeout_s=120)
         short[name] += [t for (t, _), a in zip(results, arrivals, strict=True) if not a.long]
         if name == "slo_goodput":

@@ -371,6 +371,7 @@ class VllmEngine:
             num_preemptions=sum(int(r.num_preemptions) for r in scheduler.requests.values()),
             num_prefix_hit_tokens=0,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+            max_num_batched_tokens=int(scheduler.max_num_scheduled_tokens),
         )
 
     def _prior(self, request_id: str) -> int:

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from kvtransfer.types import BlockHandle, KVLayout
+from router.front_door import Router, RouterSettings
 from router.policy import make_policy
 from router.types import Role
 from services.backends.fake import FakeTokenizer
 from services.engine.messages import FinishReason, SamplingParams
 from services.gateway.errors import BadRequest
 from services.gateway.executor import ExecutorConfig, PlanExecutor
-from services.gateway.state import ClusterState
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerDiedError
 from services.workers.messages import (
@@ -74,20 +74,20 @@ def delta(token: int, finish: FinishReason | None = None, **kw: Any) -> TokenDel
 def build(
     workers: list[tuple[ScriptedWorker, Role]],
 ) -> tuple[PlanExecutor, BatonMetrics, list[str]]:
-    state = ClusterState()
+    router = Router(RouterSettings(policy="round_robin", max_hold_s=0.0))
     for w, role in workers:
-        state.update(snapshot(w.worker_id, role))
+        router.update(snapshot(w.worker_id, role))
     by_id = {w.worker_id: w for w, _ in workers}
     died: list[str] = []
 
     def on_died(worker_id: str) -> None:
         died.append(worker_id)
-        state.mark_dead(worker_id)
+        router.mark_dead(worker_id)
         by_id.pop(worker_id, None)
 
     metrics = BatonMetrics()
     executor = PlanExecutor(
-        state, by_id.get, make_policy("round_robin"), metrics,  # type: ignore[arg-type]
+        router, by_id.get, metrics,  # type: ignore[arg-type]
         ExecutorConfig("round_robin", "local", max_hold_s=0.0), on_died, FakeTokenizer(),
     )  # fmt: skip
     return executor, metrics, died
@@ -221,7 +221,7 @@ async def test_a_re_placed_request_is_never_refused_for_its_age() -> None:
     d = SlowDyingWorker("d", lambda job: [])
     executor, _, died = build([(p, Role.PREFILL), (d, Role.DECODE)])
     policy = AgeJudgingPolicy()
-    executor._policy = policy  # type: ignore[assignment]
+    executor._router.policy = policy  # type: ignore[assignment]
     sampling = SamplingParams(max_tokens=4, temperature=0.0)
     slo = SLO(ttft_s=0.05)
     out = [x async for x in executor.run("r", PROMPT, sampling, time.monotonic(), slo=slo)]
@@ -230,3 +230,18 @@ async def test_a_re_placed_request_is_never_refused_for_its_age() -> None:
     # A new request that old is still refused: only re-placements are exempt.
     with pytest.raises(Exception, match="ttft target unreachable"):
         await anext(executor.run("r2", PROMPT, sampling, time.monotonic() - 1.0, slo=slo))
+
+
+async def test_the_router_learns_the_link_and_holds_no_reservation_after_a_request() -> None:
+    p = ScriptedWorker("p", prefill_script)
+    d = ScriptedWorker(
+        "d", lambda job: [KVPulled("r", 4_000_000, 0.5), delta(B), delta(C, FinishReason.LENGTH)]
+    )
+    executor, _, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    router = executor._router
+    seed = router.link("d")
+    await collect(executor)
+    for worker_id in ("p", "d"):  # both ends of the pull
+        link = router.link(worker_id)
+        assert link != seed and link.bandwidth_bytes_per_s < 4_000_000 / 0.49
+    assert router.num_reservations() == 0

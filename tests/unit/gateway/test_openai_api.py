@@ -210,8 +210,8 @@ async def test_router_reject_is_429_with_retry_after(gateway: Any) -> None:
 
 async def test_not_ready_is_503(gateway: Any) -> None:
     svc, client = await gateway()
-    for worker_id in list(svc.state.snapshots()):
-        svc.state.mark_dead(worker_id)
+    for worker_id in list(svc.router.reports()):
+        svc.router.mark_dead(worker_id)
     assert (await client.get("/health")).status_code == 503
     r = await client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503 and "retry-after" in r.headers

@@ -31,7 +31,7 @@ async def test_prefill_pressure_flips_one_decode_worker_and_never_empties_a_pool
         return current
 
     rebalancer = Rebalancer(
-        svc.controller, svc.state.view, pressure_of, RatioPlanner(interval_s=0.0),
+        svc.controller, svc.router.view, pressure_of, RatioPlanner(interval_s=0.0),
         svc.metrics, lambda: 100.0,
     )  # fmt: skip
     flipped = await rebalancer.tick()
@@ -39,7 +39,7 @@ async def test_prefill_pressure_flips_one_decode_worker_and_never_empties_a_pool
     worker_id = flipped[0]
     assert worker_id.startswith("decode") and svc.controller.workers()[worker_id] is Role.PREFILL
     await asyncio.sleep(0.05)  # the worker publishes its new role
-    roles = [s.role for s in svc.state.snapshots().values()]
+    roles = [s.role for s in svc.router.reports().values()]
     assert roles.count(Role.PREFILL) == 3 and roles.count(Role.DECODE) == 1
     assert svc.metrics.role_changes.labels("decode", "prefill")._value.get() == 1
     assert await rebalancer.tick() is None  # the last decode worker stays

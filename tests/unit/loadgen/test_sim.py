@@ -8,13 +8,14 @@ import pytest
 
 from loadgen.arrivals import RateSpec
 from loadgen.metrics import GoodputSLO
-from loadgen.scenario import WorkloadConfig
+from loadgen.scenario import WorkloadConfig, build_requests
 from loadgen.sim import SimConfig, simulate, simulate_specs
 from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
 from router.policy import available_policies, register_policy
-from router.types import ClusterView, Reject, RequestProfile
+from router.types import SLO, ClusterView, Reject, RequestProfile, Role
 
+RR = "round_robin"  # the timelines below are computed for it
 PROFILE = Profile(
     model="hand",
     hardware="paper",
@@ -46,6 +47,7 @@ def _by_id(result):  # type: ignore[no-untyped-def]
 
 
 def _disagg(**kw) -> SimConfig:  # type: ignore[no-untyped-def]
+    kw.setdefault("policy", RR)
     return SimConfig(rate=RateSpec(1.0), profile=PROFILE, num_prefill=1, num_decode=1, **kw)
 
 
@@ -70,7 +72,9 @@ def test_arrival_mid_segment_joins_at_next_step_boundary() -> None:
 
 
 def test_colocated_chunked_prefill() -> None:
-    cfg = SimConfig(rate=RateSpec(1.0), profile=PROFILE, num_colocated=1, chunk_tokens=64)
+    cfg = SimConfig(
+        rate=RateSpec(1.0), profile=PROFILE, num_colocated=1, chunk_tokens=64, policy=RR
+    )
     rec = _by_id(simulate_specs(cfg, [_spec("a", 0.0, 100, 3)]))["a"]
     # chunks of 64 and 36 tokens, each paying the prefill overhead a
     assert rec.ttft_s == pytest.approx(0.074 + 0.046)
@@ -88,8 +92,9 @@ def test_memory_pressure_greedy_preempts_estimator_does_not() -> None:
     small = replace(PROFILE, num_kv_blocks=20)  # 320 tokens; 4 x (60 + 80) will not fit
     specs = [_spec(f"r{i}", 0.001 * i, 60, 80) for i in range(4)]
     greedy = SimConfig(
-        rate=RateSpec(100.0), profile=small, num_prefill=1, num_decode=1, admission="greedy"
-    )
+        rate=RateSpec(100.0), profile=small, num_prefill=1, num_decode=1, admission="greedy",
+        policy=RR,
+    )  # fmt: skip
     s = simulate_specs(greedy, specs).summary
     assert s["completed"] == 4
     assert s["preempted"] > 0
@@ -102,7 +107,9 @@ def test_memory_pressure_greedy_preempts_estimator_does_not() -> None:
 
 
 def test_closed_loop_runs_one_at_a_time() -> None:
-    cfg = SimConfig(rate=None, concurrency=1, profile=PROFILE, num_colocated=1, chunk_tokens=512)
+    cfg = SimConfig(
+        rate=None, concurrency=1, profile=PROFILE, num_colocated=1, chunk_tokens=512, policy=RR
+    )
     result = simulate_specs(cfg, [_spec("a", 0.0, 100, 1), _spec("b", 0.0, 100, 1)])
     rec = _by_id(result)
     assert rec["a"].e2el_s == pytest.approx(0.11)
@@ -119,6 +126,7 @@ def test_summary_matches_bench_keys_and_is_reproducible() -> None:
         num_decode=2,
         profile=load_profile(),
         slo=GoodputSLO(ttft_ms=500, tpot_ms=100),
+        policy=RR,
     )
     a, b = simulate(cfg).summary, simulate(cfg).summary
     for key in ("completed", "request_goodput", "p99_ttft_ms", "mean_tpot_ms", "median_itl_ms"):
@@ -162,3 +170,39 @@ def test_shipped_profiles_load_with_sources() -> None:
     llama = load_profile("llama3-8b-h100")
     assert llama.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K,V x layers x KV heads x dim x bf16
     assert all(len(p.sources) >= 3 for p in (tiny, llama))
+
+
+def _prefill_bound(**kw) -> SimConfig:  # type: ignore[no-untyped-def]
+    from router.front_door import RouterSettings
+
+    return SimConfig(
+        workload=WorkloadConfig(
+            input_len="uniform:1500-2000", output_len="uniform:2-8", num_requests=400, seed=1
+        ),
+        rate=RateSpec(150.0),  # ~5 prefill workers' worth of long prompts
+        num_prefill=1,
+        num_decode=3,
+        router=RouterSettings(profile=load_profile(), rebalance_interval_s=1.0),
+        policy="slo_goodput",
+        slo=GoodputSLO(ttft_ms=1000, tpot_ms=200),
+        **kw,
+    )
+
+
+def test_the_rebalancer_drains_then_flips_a_decode_worker_to_prefill() -> None:
+    from loadgen.sim.cluster import SimCluster
+    from loadgen.sim.run import _roles
+    from router.front_door import Router
+
+    config = _prefill_bound(flip_latency_s=0.25)
+    profile = load_profile()
+    settings = config.router_settings(profile)
+    cluster = SimCluster(profile, Router(settings), _roles(config), SLO(1.0, 0.2), rebalance=True,
+                         flip_latency_s=0.25)  # fmt: skip
+    cluster.run_open_loop(build_requests(config.workload, config.rate))
+    assert cluster.flips, "a prefill-bound cluster never gained a prefill worker"
+    done_s, worker_id, role = cluster.flips[0]
+    assert worker_id.startswith("decode") and role is Role.PREFILL
+    assert done_s >= 1.0 + 0.25  # the first tick, then the flip latency at least
+    assert simulate(config).summary["role_flips"] == len(cluster.flips)
+    assert simulate(replace(config, rebalance=False)).summary["role_flips"] == 0

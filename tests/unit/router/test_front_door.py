@@ -169,3 +169,32 @@ def test_a_colocated_reservation_lands_once_on_its_host() -> None:
 
 def _busy(count: int, held: int) -> tuple[RunningRequest, ...]:
     return tuple(RunningRequest(held, 0, 1000) for _ in range(count))
+
+
+def test_each_worker_drops_its_part_of_a_reservation_when_it_counts_the_request() -> None:
+    r = router()
+    plan = r.place(request("a", prompt=500), 0.0)
+    assert isinstance(plan, Plan) and not plan.colocated
+    r.release("a", "p")  # the prefill worker's telemetry queues it now
+    p, d = r.view().workers
+    assert sum(p.queued_tokens.values()) == 0
+    assert d.running == (RunningRequest(500, 0, 100),)  # still on its way to "d"
+    r.release("a", "d")
+    assert r.view().workers[1].running == () and r.num_reservations() == 0
+
+
+def test_links_are_priced_from_measured_transfers_and_mixed_workers_by_their_budget() -> None:
+    r = router()
+    p, d = r.view().workers
+    seed = PROFILE.transfer
+    assert p.link_bandwidth_bytes_per_s == 0.0 and p.link_latency_s is None  # the profile's
+    for num_bytes in (1e6, 4e6, 2e6, 8e6):  # 2 ms + bytes / 1 GB/s
+        r.observe_transfer("p", "d", int(num_bytes), 0.002 + num_bytes / 1e9)
+    p, d = r.view().workers
+    for w in (p, d):
+        assert w.link_bandwidth_bytes_per_s == pytest.approx(1e9)
+        assert w.link_latency_s == pytest.approx(0.002)
+    assert r.link("d").latency_s != seed.latency_s
+    mixed = replace(snapshot("m", Role.MIXED), prefill_budget_tokens=512)
+    r.update(mixed)
+    assert r.view().workers[2].prefill_budget_tokens == 512

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from kvtransfer import make_connector
+from router.front_door import Router, RouterSettings
 from router.policies.slo_goodput import SloGoodput
 from router.types import Role, StepSample
 from services.backends.fake import FakeEngine, FakeTokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
-from services.gateway.state import ClusterState
 from services.workers.messages import Continue, Generate, KVPulled, TokenDelta, WorkerSnapshot
 from services.workers.worker import Worker, WorkerSpec
 
@@ -160,7 +160,7 @@ async def test_router_refits_from_each_engine_step_exactly_once(worker) -> None:
     policy = SloGoodput()
     observed: list[StepSample] = []
     policy.cost_model("w").observe = observed.append  # type: ignore[method-assign]
-    state = ClusterState()
+    router = Router(RouterSettings(), policy=policy)
     snapshots: list[WorkerSnapshot] = []
 
     async def watch() -> None:
@@ -174,8 +174,8 @@ async def test_router_refits_from_each_engine_step_exactly_once(worker) -> None:
     snapshots.append(await w.snapshot())
     task.cancel()
     for s in snapshots:
-        state.update(s)
-        policy.refresh(state.view())
+        router.update(s)
+        policy.refresh(router.view())
     steps = snapshots[-1].recent_steps
     assert len(steps) >= 12  # 3 requests x 4 tokens, all still in the engine's history
     assert sum(len(s.recent_steps) for s in snapshots) > len(steps)  # repeated across snapshots

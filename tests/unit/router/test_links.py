@@ -1,0 +1,36 @@
+"""router.links.LinkFit: latency and bandwidth fitted from measured transfers."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.cost_model import TransferCoeffs
+from router.links import LinkFit
+
+SEED = TransferCoeffs(bandwidth_bytes_per_s=1e9, latency_s=0.001)
+
+
+def test_sizes_that_differ_fit_both_latency_and_bandwidth() -> None:
+    fit = LinkFit(SEED)
+    for num_bytes in (1e6, 5e6, 2e6, 9e6, 3e6):  # 4 ms + bytes / 250 MB/s
+        fit.observe(int(num_bytes), 0.004 + num_bytes / 250e6)
+    assert fit.estimate.bandwidth_bytes_per_s == pytest.approx(250e6)
+    assert fit.estimate.latency_s == pytest.approx(0.004)
+
+
+def test_one_size_keeps_the_seed_latency_and_measures_bandwidth() -> None:
+    fit = LinkFit(SEED)
+    assert fit.estimate == SEED
+    for _ in range(5):
+        fit.observe(4_000_000, 0.001 + 4e6 / 100e6)  # 100 MB/s after the seed's 1 ms
+    assert fit.estimate.latency_s == SEED.latency_s
+    assert fit.estimate.bandwidth_bytes_per_s == pytest.approx(100e6)
+
+
+def test_only_the_window_counts() -> None:
+    fit = LinkFit(SEED, window=4)
+    for _ in range(4):
+        fit.observe(1_000_000, 0.001 + 1e6 / 1e6)  # a slow link (1 MB/s) ...
+    for _ in range(4):
+        fit.observe(1_000_000, 0.001 + 1e6 / 1e8)  # ... that recovered
+    assert fit.estimate.bandwidth_bytes_per_s == pytest.approx(1e8)
