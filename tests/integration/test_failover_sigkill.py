@@ -96,7 +96,7 @@ def _wait_for(condition: object, futures: list[object]) -> None:
 
 def _sigkill(server: ServedGateway, role: str) -> None:
     """SIGKILL the worker process of ``role`` that is serving the most requests."""
-    snapshots = server.svc.state.snapshots()
+    snapshots = server.svc.router.reports()
     candidates = [w for w in server.svc.controller.workers() if w.startswith(role)]
     victim = max(candidates, key=lambda w: len(snapshots[w].running) if w in snapshots else -1)
     client = server.svc.controller.client(victim)

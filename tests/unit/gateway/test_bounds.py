@@ -96,11 +96,11 @@ async def test_request_timeout_is_a_504_or_an_error_event_and_frees_the_worker(
     assert last["error"]["code"] == "timeout"
     assert len(frames) > 3  # it streamed tokens before the deadline
     for _ in range(100):  # the aborted requests' blocks are freed
-        snapshots = svc.state.snapshots().values()
+        snapshots = svc.router.reports().values()
         if all(s.num_used_blocks == 0 and not s.running for s in snapshots):
             break
         await asyncio.sleep(0.02)
-    assert all(s.num_used_blocks == 0 and not s.running for s in svc.state.snapshots().values())
+    assert all(s.num_used_blocks == 0 and not s.running for s in svc.router.reports().values())
 
 
 async def test_ready_lists_every_worker(gateway: Any) -> None:

@@ -116,7 +116,7 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_its_request_aborted() ->
         running = True
         while running and time.monotonic() < deadline:
             time.sleep(0.2)
-            snapshots = server.svc.state.snapshots().values()
+            snapshots = server.svc.router.reports().values()
             running = any(s.running or s.num_used_blocks for s in snapshots)
         assert not running, "the unread stream's request still runs"
         sock.settimeout(10)
