@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("loadgen.sim.cli", "simulate a cluster driving the real router"),
     "profile": ("loadgen.cli_profile", "measure a running worker's prefill and decode curves"),
     "plan": ("router.cli_plan", "size prefill and decode pools for a target rate"),
+    "keys": ("services.gateway.keys_cli", "make API keys and store their salted hashes"),
 }
 
 

@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on the command line, where any user's ps shows it",
     )
     parser.add_argument(
+        "--api-keys-file",
+        help="several keys: a file of key names -> salted hashes and per-key limits "
+        "(`baton keys add` writes it)",
+    )
+    parser.add_argument(
         "--tool-call-parser", help="hermes, llama3_json, or any of vLLM's registered tool parsers"
     )
     parser.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"])
@@ -65,6 +70,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
             "gateway.host": args.host,
             "gateway.port": args.port,
             "gateway.api_key": _api_key(args.api_key_file, environ),
+            "gateway.api_keys_file": getattr(args, "api_keys_file", None),
             "gateway.tool_call_parser": args.tool_call_parser,
             "gateway.reasoning_parser": args.reasoning_parser,
             "workers.prefill": args.prefill,
@@ -195,11 +201,13 @@ async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
 
 
 def check_backend_options(config: ClusterConfig) -> None:
-    """Refuse, before any worker starts, backend options the backend does not take and
-    a tool-call parser nobody provides."""
+    """Refuse, before any worker starts, backend options the backend does not take,
+    a tool-call parser nobody provides and a key file the gateway could not read."""
+    from services.gateway.access import key_table
     from services.gateway.parsers import check_tool_call_parser
 
     check_tool_call_parser(config.gateway.tool_call_parser)
+    key_table(config.gateway)
     if config.engine.backend == "vllm":
         from services.backends.vllm import check_vllm_options
 

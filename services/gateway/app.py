@@ -9,7 +9,6 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,13 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.access import AccessGate, key_table
 from services.gateway.errors import (
     APIError,
     BadRequest,
     ModelNotFound,
     NotReady,
     PayloadTooLarge,
-    Unauthorized,
 )
 from services.gateway.fields import check_fields
 from services.gateway.prepare import prepare_chat, prepare_completion
@@ -55,7 +54,8 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
     app = FastAPI(title="Baton", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=svc.settings.gateway.max_body_bytes)
     _add_error_handlers(app)
-    auth = _auth_dependency(svc.settings.gateway.api_key)
+    gate = AccessGate(key_table(svc.settings.gateway), svc.metrics)
+    auth = gate.authenticate
 
     def ready() -> None:
         if not svc.is_ready():
@@ -95,7 +95,8 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         if body.has_images():
             raise BadRequest("this model does not accept images", "messages")
         prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages(), body.template_tools())
-        return await respond(svc, prepare_chat(svc, body, prompt), request)
+        gen = prepare_chat(svc, body, prompt)
+        return await gate.run(request, gen, lambda on_finish: respond(svc, gen, request, on_finish))
 
     def check_sequences(body: ChatCompletionRequest | CompletionRequest) -> None:
         prompt = getattr(body, "prompt", None)
@@ -119,25 +120,10 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         ready()
         check_sequences(body)  # before tokenizing: a huge fan-out must not hold the loop
         prompts = text_prompt_ids(svc.tokenizer, body.prompt)
-        return await respond(svc, prepare_completion(svc, body, prompts), request)
+        gen = prepare_completion(svc, body, prompts)
+        return await gate.run(request, gen, lambda on_finish: respond(svc, gen, request, on_finish))
 
     return app
-
-
-def _auth_dependency(api_key: str | None) -> Any:
-    # async: FastAPI runs a plain ``def`` dependency in a thread pool, a hop per request.
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # Bytes, not str: compare_digest refuses non-ASCII str (a 500), and a header may
-        # carry any byte.
-        given = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, api_key.encode()):
-            raise Unauthorized("Incorrect API key provided.", None, "invalid_api_key")
-
-    return check
 
 
 def _error_response(e: APIError) -> JSONResponse:

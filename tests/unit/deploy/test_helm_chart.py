@@ -376,6 +376,21 @@ def test_api_key_comes_from_the_named_secret_only_when_given(
         assert "BATON_API_KEY" not in env
 
 
+def test_a_key_file_secret_is_mounted_into_the_gateway_and_passed_as_api_keys_file(
+    render_fn: Any,
+) -> None:
+    docs = render_fn({"apiKeys": {"existingSecret": "baton-keys", "key": "keys.yaml"}})
+    head = next(pods(docs))
+    assert "--api-keys-file /etc/baton-keys/keys.yaml" in head.main["args"][0]
+    mount = next(m for m in head.main["volumeMounts"] if m["name"] == "api-keys")
+    assert mount == {"name": "api-keys", "mountPath": "/etc/baton-keys", "readOnly": True}
+    volume = next(v for v in head.spec["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == "baton-keys"
+    plain = next(pods(render_fn({})))
+    assert "--api-keys-file" not in plain.main["args"][0]
+    assert all(v["name"] != "api-keys" for v in plain.spec["volumes"])
+
+
 @pytest.mark.parametrize("name", SETS)
 def test_network_policy_opens_only_the_gateway_port_beyond_the_release(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]

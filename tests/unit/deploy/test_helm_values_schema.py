@@ -16,7 +16,7 @@ from tests.unit.deploy.conftest import CHART, VALUE_SETS, load_values
 # Keys of the ClusterConfig the chart sets itself, so values may not.
 CHART_OWNED = {
     "workers": {"prefill", "decode", "encode", "mixed", "gpus_per_role"},
-    "gateway": {"host", "port", "api_key"},
+    "gateway": {"host", "port", "api_key", "api_keys_file"},
 }
 
 
