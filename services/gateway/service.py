@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.planner import RatioPlanner
 from router.policy import Policy, available_policies, make_policy, make_policy_from_settings
@@ -29,12 +30,16 @@ from services.workers.client import WorkerClient
 from services.workers.messages import TokenDelta, WorkerSnapshot
 from services.workers.worker import WorkerSpec
 
-__all__ = ["GatewayService", "GatewaySettings", "choose_policy"]
+__all__ = ["ControllerFactory", "GatewayService", "GatewaySettings", "choose_policy"]
 
 log = logging.getLogger(__name__)
 
 _FALLBACK_POLICY = "round_robin"
 _PROMPT_EMA_WEIGHT = 0.05  # mean prompt length the ratio planner sizes prefill by
+
+
+# (on_snapshot, on_worker_down) -> a controller found elsewhere (cluster.remote.RemoteController)
+ControllerFactory = Callable[[Callable[[WorkerSnapshot], None], Callable[[str, Role], None]], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,17 +84,24 @@ class GatewayService:
         metrics: BatonMetrics | None = None,
         controller_config: ControllerConfig | None = None,
         rebalance: bool = True,
+        remote_controller: ControllerFactory | None = None,
     ) -> None:
+        """``remote_controller``: a control plane that outlives this gateway (``specs`` and
+        ``launch`` unused); role flips are then the control plane's, not this gateway's."""
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = metrics or BatonMetrics()
         self.state = ClusterState(settings.router.length_threshold_tokens)
-        self.controller = Controller(
-            specs,
-            launch,
-            on_snapshot=self._on_snapshot,
-            on_worker_down=self._on_worker_down,
-            config=controller_config,
+        self.controller: Controller | Any = (
+            Controller(
+                specs,
+                launch,
+                on_snapshot=self._on_snapshot,
+                on_worker_down=self._on_worker_down,
+                config=controller_config,
+            )
+            if remote_controller is None
+            else remote_controller(self._on_snapshot, self._on_worker_down)
         )
         self.policy_name, policy = choose_policy(settings.router)
         self.executor = PlanExecutor(
@@ -105,7 +117,9 @@ class GatewayService:
             on_worker_died=self.controller.report_dead,
             tokenizer=tokenizer,
         )
-        self.rebalancer = self._make_rebalancer(policy) if rebalance else None
+        self.rebalancer = (
+            self._make_rebalancer(policy) if rebalance and remote_controller is None else None
+        )
         self._rebalance_task: asyncio.Task[None] | None = None
         self.started_s = time.time()
         self.draining = False
