@@ -14,7 +14,6 @@ report_dead, set_role), but it launches and kills nothing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,10 +21,10 @@ from typing import Any
 
 from router.types import Role
 from services.cluster.control_plane import Registry, WorkerEntry
-from services.workers.client import RayWorkerClient, WorkerClient, WorkerDiedError
+from services.workers.client import WorkerClient, WorkerDiedError
 from services.workers.messages import WorkerSnapshot
 
-__all__ = ["RemoteController"]
+__all__ = ["RemoteController", "find_ray_worker_of"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class RemoteController:
     def __init__(
         self,
         plane: Any,
-        namespace: str,
+        find_worker: Callable[[WorkerEntry], WorkerClient | None],
         *,
         on_snapshot: Callable[[WorkerSnapshot], None],
         on_worker_down: Callable[[str, Role], None],
@@ -50,7 +49,7 @@ class RemoteController:
         ready_timeout_s: float = 300.0,
     ) -> None:
         self._plane = plane
-        self._namespace = namespace
+        self._find_worker = find_worker
         self._on_snapshot = on_snapshot
         self._on_worker_down = on_worker_down
         self._poll_interval_s = poll_interval_s
@@ -123,13 +122,10 @@ class RemoteController:
                 watched.entry = entry  # a role flip
 
     def _watch(self, entry: WorkerEntry) -> None:
-        import ray
-
-        try:
-            actor = ray.get_actor(entry.actor_name, namespace=self._namespace)
-        except ValueError:
+        client = self._find_worker(entry)
+        if client is None:
             return  # gone between the registry and now; the next poll tells
-        watched = _Watched(entry, RayWorkerClient(entry.worker_id, actor), asyncio.Event())
+        watched = _Watched(entry, client, asyncio.Event())
         self._watched[entry.worker_id] = watched
         watched.watch = asyncio.create_task(
             self._telemetry(watched), name=f"watch-{entry.worker_id}"
@@ -159,6 +155,15 @@ class RemoteController:
         if watched.watch is not None and watched.watch is not asyncio.current_task():
             watched.watch.cancel()
         self._on_worker_down(worker_id, watched.entry.role)
-        with contextlib.suppress(Exception):
-            pass
         return True
+
+
+def find_ray_worker_of(namespace: str) -> Callable[[WorkerEntry], WorkerClient | None]:
+    """Look a registry entry's worker actor up by its name, in ``namespace``."""
+
+    def find(entry: WorkerEntry) -> WorkerClient | None:
+        from services.workers.actor import find_ray_worker
+
+        return find_ray_worker(entry.worker_id, entry.actor_name, namespace)
+
+    return find

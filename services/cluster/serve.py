@@ -203,7 +203,7 @@ def _build_service(config: ClusterConfig, cluster_has_gpus: bool) -> Any:
 def build_gateway(config: ClusterConfig) -> Any:
     """A gateway over the control plane already running in the Ray cluster."""
     from services.cluster.control_plane import NAMESPACE, find_control_plane
-    from services.cluster.remote import RemoteController
+    from services.cluster.remote import RemoteController, find_ray_worker_of
     from services.engine.loader import load_tokenizer
     from services.gateway.service import GatewayService, GatewaySettings
 
@@ -219,7 +219,7 @@ def build_gateway(config: ClusterConfig) -> Any:
         (),
         _no_launch,
         remote_controller=lambda on_snapshot, on_down: RemoteController(
-            plane, NAMESPACE, on_snapshot=on_snapshot, on_worker_down=on_down
+            plane, find_ray_worker_of(NAMESPACE), on_snapshot=on_snapshot, on_worker_down=on_down
         ),
     )
 
