@@ -165,6 +165,8 @@ class ControlPlane:
         return adopted
 
     async def registry(self) -> Registry:
+        if self._starting is None:  # restarted by Ray: the first caller starts it again
+            self._starting = asyncio.get_running_loop().create_task(self._start())
         c = self._controller
         if c is None:
             return Registry((), False)

@@ -55,7 +55,9 @@ class RemoteController:
         self._poll_interval_s = poll_interval_s
         self._ready_timeout_s = ready_timeout_s
         self._watched: dict[str, _Watched] = {}
-        self._gone: set[str] = set()  # ids seen dead here: never adopted again
+        # Ids seen dead here, not adopted again while the registry still lists them (the
+        # controller hears of the death after us); forgotten once the registry drops them.
+        self._gone: set[str] = set()
         self._poll_task: asyncio.Task[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -110,6 +112,7 @@ class RemoteController:
 
     def _sync(self, registry: Registry) -> None:
         listed = {e.worker_id: e for e in registry.workers}
+        self._gone &= set(listed)
         for worker_id in set(self._watched) - set(listed):
             self._down(worker_id, "left the controller's registry")
         for worker_id, entry in listed.items():

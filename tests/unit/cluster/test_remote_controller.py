@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -163,3 +164,26 @@ async def test_worker_generations_are_read_from_their_ids() -> None:
 
 async def _sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
+
+
+async def test_a_controller_adopting_workers_never_reuses_a_worker_id() -> None:
+    from services.cluster.controller import Controller
+    from services.cluster.launchers import launch_in_process
+
+    config = fake_config(**{"workers.prefill": 1, "workers.decode": 1})
+    specs = worker_specs(config, FakeEngineFactory(), ConnectorFactory(config.kvtransfer))
+    adopted = [replace(specs[0], worker_id="prefill-0.r2"), specs[1]]
+    downs: list[str] = []
+    controller = Controller(
+        adopted,
+        launch_in_process,
+        on_snapshot=lambda s: None,
+        on_worker_down=lambda wid, role: downs.append(wid),
+    )
+    await controller.start()
+    try:
+        controller.report_dead("prefill-0.r2")
+        controller.report_dead("decode-0")
+        assert set(controller.workers()) == {"prefill-0.r3", "decode-0.r1"}
+    finally:
+        await controller.stop()
