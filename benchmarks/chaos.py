@@ -1,8 +1,9 @@
 """Faults under load: the tiny cluster (2 gateways; 2 prefill + 2 decode) serves a seeded
 open-loop load while workers, a gateway and the controller are SIGKILLed.
 
-The same seeded load runs twice on the same cluster: once undisturbed (the baseline
-texts), then under this schedule of faults (seconds into the run):
+The seeded load runs under this schedule of faults, one at a time (each waits until the
+cluster is back at full strength), for as long as the schedule takes; then the same
+jobs run again undisturbed on the same cluster (the baseline texts):
 
     prefill_during_transfer   SIGKILL a prefill worker while it holds KV for a transfer
     decode_mid_stream         SIGKILL a decode worker with requests running
@@ -18,13 +19,14 @@ client errors by cause, texts differing from the undisturbed run, time to full
 strength after each fault (seconds until the controller again lists four ready
 workers: p50, p99), and KV blocks still used or held on the workers after the run.
 
-Usage: ``python benchmarks/chaos.py [--requests 140] [--rate 4] [--seed 0]`` (``make bench-chaos``)
+Usage: ``python benchmarks/chaos.py [--rate 4] [--seed 0]`` (``make bench-chaos``)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,19 +82,19 @@ class Outcome:
 
 @dataclass(slots=True)
 class Run:
+    jobs: list[Job]
     outcomes: list[Outcome]
     faults: Any  # FaultLog
 
 
-def workload(num_requests: int, rate_per_s: float, seed: int) -> list[Job]:
-    """Poisson arrivals; prompts and lengths drawn from ``seed``."""
+def workload(rate_per_s: float, seed: int) -> Iterator[Job]:
+    """Poisson arrivals, without end; prompts and lengths drawn from ``seed``."""
     rng = random.Random(seed)
-    jobs, t = [], 0.0
-    for i in range(num_requests):
+    t = 0.0
+    for i in itertools.count():
         t += rng.expovariate(rate_per_s)
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 120)))
-        jobs.append(Job(i, t, f"request {i}: {words}", rng.randint(16, 96)))
-    return jobs
+        yield Job(i, t, f"request {i}: {words}", rng.randint(16, 96))
 
 
 # -- the client ------------------------------------------------------------------------------
@@ -131,9 +134,12 @@ async def _send(client: Any, url: str, job: Job) -> Outcome:
         return Outcome(error=f"transport_{type(e).__name__}")
 
 
-async def run_load(jobs: list[Job], urls: list[str], dead: set[str]) -> list[Outcome]:
-    """Open loop: job i is sent at its time to gateway i % 2; a request refused by a dead
-    gateway before any byte goes to the other one (what a Service does)."""
+async def run_load(
+    jobs: Iterable[Job], urls: list[str], dead: set[str], stop: asyncio.Event | None = None
+) -> tuple[list[Job], list[Outcome]]:
+    """Open loop: job i is sent at its time to gateway i % 2 (until ``stop`` is set); a
+    request refused by a dead gateway before any byte goes to the other one (what a
+    Service does). Returns the jobs sent and their outcomes."""
     import httpx
 
     limits = httpx.Limits(max_connections=256)
@@ -141,7 +147,6 @@ async def run_load(jobs: list[Job], urls: list[str], dead: set[str]) -> list[Out
         start = time.monotonic()
 
         async def one(job: Job) -> Outcome:
-            await asyncio.sleep(max(0.0, start + job.at_s - time.monotonic()))
             url = urls[job.index % len(urls)]
             if url in dead:
                 url = next(u for u in urls if u not in dead)
@@ -152,7 +157,15 @@ async def run_load(jobs: list[Job], urls: list[str], dead: set[str]) -> list[Out
                 outcome = await _send(client, other, job)
             return outcome
 
-        return list(await asyncio.gather(*(one(j) for j in jobs)))
+        sent: list[Job] = []
+        tasks: list[asyncio.Task[Outcome]] = []
+        for job in jobs:
+            await asyncio.sleep(max(0.0, start + job.at_s - time.monotonic()))
+            if stop is not None and stop.is_set():
+                break
+            sent.append(job)
+            tasks.append(asyncio.create_task(one(job)))
+        return sent, list(await asyncio.gather(*tasks))
 
 
 # -- the cluster -------------------------------------------------------------------------------
@@ -212,7 +225,9 @@ def _config() -> Any:
             "kvtransfer.lease_s": LEASE_S,
             "kvtransfer.transfer_timeout_s": 5.0,
             "router.policy": "round_robin",
-            "router.max_hold_s": 5.0,
+            # New arrivals wait for room while workers are being replaced, rather than
+            # being turned away (a re-planned request is never refused for its age).
+            "router.max_hold_s": 30.0,
         }
     )
 
@@ -242,7 +257,7 @@ async def _sigkill_actor(actor: Any) -> None:
     os.kill(await _pid(actor), signal.SIGKILL)
 
 
-async def _full_strength_after(plane: Any, killed: set[str], deadline_s: float = 60.0) -> float:
+async def _full_strength_after(plane: Any, killed: set[str], deadline_s: float = 120.0) -> float:
     """Seconds until the controller lists NUM_WORKERS ready workers, none of them killed."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
@@ -281,51 +296,43 @@ class FaultLog:
     fired_at_s: dict[str, float] = field(default_factory=dict)
 
 
-async def faults(plane: Any, gateways: list[Gateway], dead: set[str]) -> FaultLog:
-    """The schedule. Each fault fires at its time (recoveries are timed alongside, so a
-    slow one does not push the next fault back); returns what happened."""
+async def faults(
+    plane: Any, gateways: list[Gateway], dead: set[str], settle_s: float = 3.0
+) -> FaultLog:
+    """The schedule, one fault at a time: each waits for the cluster to be back at full
+    strength (timed) and ``settle_s`` more, so the times do not overlap."""
     log = FaultLog()
-    recoveries: list[asyncio.Task[None]] = []
     t0 = time.monotonic()
 
-    async def at(offset_s: float) -> None:
-        await asyncio.sleep(max(0.0, t0 + offset_s - time.monotonic()))
-
-    def time_recovery(name: str, killed: set[str]) -> None:
-        async def timed() -> None:
-            log.full_strength_s[name] = await _full_strength_after(plane, killed)
-
+    async def killed(name: str, victims: set[str]) -> None:
         log.fired_at_s[name] = round(time.monotonic() - t0, 2)
-        recoveries.append(asyncio.create_task(timed()))
+        log.full_strength_s[name] = await _full_strength_after(plane, victims)
+        await asyncio.sleep(settle_s)
 
-    await at(4.0)
+    await asyncio.sleep(4.0)
     wid, actor, log.victim_was_busy["prefill_during_transfer"] = await _pick(
         plane, "prefill", "held"
     )
     await _sigkill_actor(actor)
-    time_recovery("prefill_during_transfer", {wid})
+    await killed("prefill_during_transfer", {wid})
 
-    await at(10.0)
     wid, actor, log.victim_was_busy["decode_mid_stream"] = await _pick(plane, "decode", "running")
     await _sigkill_actor(actor)
-    time_recovery("decode_mid_stream", {wid})
+    await killed("decode_mid_stream", {wid})
 
-    await at(16.0)
     victims = list((await _workers(plane)).items())[:3]
-    for i, (_, (_, actor)) in enumerate(victims):
-        await at(16.0 + 0.8 * i)
+    for _, (_, actor) in victims:
         await _sigkill_actor(actor)
-    time_recovery("three_workers_in_2s", {w for w, _ in victims})
+        await asyncio.sleep(0.8)  # three within two seconds
+    await killed("three_workers_in_2s", {w for w, _ in victims})
 
-    await at(22.0)
     dead.add(gateways[1].url)
     await asyncio.to_thread(gateways[1].sigkill)
     log.fired_at_s["gateway"] = round(time.monotonic() - t0, 2)
+    await asyncio.sleep(settle_s)
 
-    await at(25.0)
     await _sigkill_actor(plane)
-    time_recovery("controller", set())
-    await asyncio.gather(*recoveries)
+    await killed("controller", set())
     return log
 
 
@@ -340,16 +347,18 @@ async def _blocks_in_use(plane: Any) -> int:
 # -- main ----------------------------------------------------------------------------------------
 
 
-async def _disturbed(jobs: list[Job], plane: Any, gateways: list[Gateway]) -> Run:
+async def _disturbed(jobs: Iterable[Job], plane: Any, gateways: list[Gateway]) -> Run:
     dead: set[str] = set()
-    load = asyncio.create_task(run_load(jobs, [g.url for g in gateways], dead))
+    stop = asyncio.Event()
+    load = asyncio.create_task(run_load(jobs, [g.url for g in gateways], dead, stop))
     log = await faults(plane, gateways, dead)
-    return Run(await load, log)
+    stop.set()
+    sent, outcomes = await load
+    return Run(sent, outcomes, log)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=140)
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -366,11 +375,14 @@ def main() -> None:
     try:
         for g in gateways:
             g.wait_ready()
-        jobs = workload(args.requests, args.rate, args.seed)
-        baseline = asyncio.run(run_load(jobs, [g.url for g in gateways], set()))
-        run = asyncio.run(_disturbed(jobs, plane, gateways))
+        # Under faults first, for as long as the schedule takes; then the same jobs (same
+        # seed, same times) undisturbed, with the killed gateway started again.
+        run = asyncio.run(_disturbed(workload(args.rate, args.seed), plane, gateways))
         time.sleep(LEASE_S + 1.0)
         blocks = asyncio.run(_blocks_in_use(plane))
+        gateways[1] = Gateway(address, _free_port())
+        gateways[1].wait_ready()
+        _, baseline = asyncio.run(run_load(run.jobs, [g.url for g in gateways], set()))
     finally:
         for g in gateways:
             if g.proc.poll() is None:
@@ -392,7 +404,7 @@ def main() -> None:
             {
                 "bench": "chaos",
                 "seed": args.seed,
-                "requests_sent": len(jobs),
+                "requests_sent": len(run.jobs),
                 "completed": sum(1 for o in outcomes if o.text is not None),
                 "lost": lost,
                 "client_errors": dict(errors),

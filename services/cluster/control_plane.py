@@ -38,6 +38,7 @@ __all__ = [
     "CONTROLLER_RESOURCE",
     "NAMESPACE",
     "ControlPlane",
+    "ControllerStartingError",
     "Registry",
     "WorkerEntry",
     "find_control_plane",
@@ -56,6 +57,10 @@ _GENERATION = re.compile(r"^(?P<base>.+?)(?:\.r(?P<gen>\d+))?$")
 
 def worker_actor_name(worker_id: str) -> str:
     return _WORKER_PREFIX + worker_id
+
+
+class ControllerStartingError(RuntimeError):
+    """The registry is not known yet (the controller is starting, or adopting after a restart)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +174,8 @@ class ControlPlane:
             self._starting = asyncio.get_running_loop().create_task(self._start())
         c = self._controller
         if c is None:
-            return Registry((), False)
+            # Not "no workers": gateways would drop every worker they serve with.
+            raise ControllerStartingError("the controller is adopting its workers")
         entries = tuple(
             WorkerEntry(wid, role, worker_actor_name(wid)) for wid, role in c.workers().items()
         )

@@ -187,3 +187,40 @@ async def test_a_controller_adopting_workers_never_reuses_a_worker_id() -> None:
         assert set(controller.workers()) == {"prefill-0.r3", "decode-0.r1"}
     finally:
         await controller.stop()
+
+
+async def test_a_restarting_controller_does_not_take_the_workers_from_the_gateway(
+    plane: FakePlane,
+) -> None:
+    from services.cluster.control_plane import ControllerStartingError
+
+    svc = _gateway(plane)
+    await svc.start()
+    try:
+
+        async def starting() -> Registry:
+            raise ControllerStartingError("adopting")
+
+        plane.registry = _FakeMethod(starting)  # Ray restarted the controller
+        await _sleep(0.2)  # several polls
+        assert set(svc.controller.workers()) == set(plane.workers)
+        assert set(svc.state.snapshots()) == set(plane.workers)
+        assert await _complete(svc)
+    finally:
+        await svc.stop()
+
+
+async def test_the_registry_of_a_controller_not_started_yet_is_unknown_not_empty() -> None:
+    from services.cluster.control_plane import ControllerStartingError, ControlPlane
+
+    config = fake_config()
+    cp = ControlPlane(config, specs=[])
+    adopting = asyncio.Event()
+
+    async def still_adopting() -> None:
+        await adopting.wait()
+
+    cp._start = still_adopting  # type: ignore[method-assign]  # Ray restarted it: adopting
+    with pytest.raises(ControllerStartingError):
+        await cp.registry()
+    adopting.set()
