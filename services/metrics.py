@@ -196,3 +196,22 @@ class BatonMetrics:
             ["role", "state"],
             registry=r,
         )
+        # Per API key, labelled by the key's name (never the key).
+        self.key_requests = Counter(
+            "baton_key_requests", "Requests admitted per API key", ["key"], registry=r
+        )
+        self.key_rate_limited = Counter(
+            "baton_key_rate_limited",
+            "Requests refused with 429 per API key and limit (requests, tokens, concurrency)",
+            ["key", "limit"],
+            registry=r,
+        )
+        self.key_prompt_tokens = Counter(
+            "baton_key_prompt_tokens", "Prompt tokens per API key", ["key"], registry=r
+        )
+        self.key_generation_tokens = Counter(
+            "baton_key_generation_tokens", "Tokens generated per API key", ["key"], registry=r
+        )
+        self.key_inflight = Gauge(
+            "baton_key_inflight_requests", "Requests in flight per API key", ["key"], registry=r
+        )

@@ -99,7 +99,13 @@ class Controller:
         self._on_worker_down = on_worker_down
         self._config = config or ControllerConfig()
         self._entries: dict[str, _Entry] = {}
-        self._generation: dict[str, int] = {}
+        # Successors count on from the generation in a spec's id ("decode-0.r2" -> ".r3"), so
+        # a controller that adopts running workers never reuses a worker id.
+        self._generation: dict[str, int] = {
+            spec.worker_id.split(".r")[0]: int(spec.worker_id.split(".r")[1])
+            for spec in specs
+            if ".r" in spec.worker_id and spec.worker_id.split(".r")[1].isdigit()
+        }
         self._crashes: dict[str, _Crashes] = {}  # slot (base worker id) -> crashes
         self._down_slots: dict[str, WorkerReadiness] = {}  # slot -> until its successor is up
         self._restarts: list[asyncio.TimerHandle] = []

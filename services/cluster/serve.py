@@ -22,7 +22,15 @@ from typing import Any
 
 from services.config import ClusterConfig, load_config
 
-__all__ = ["add_arguments", "build_config", "run"]
+__all__ = [
+    "add_arguments",
+    "api_key",
+    "build_config",
+    "build_gateway",
+    "check_backend_options",
+    "run",
+    "serve",
+]
 
 log = logging.getLogger("baton.serve")
 
@@ -46,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on the command line, where any user's ps shows it",
     )
     parser.add_argument(
+        "--api-keys-file",
+        help="several keys: a file of key names -> salted hashes and per-key limits "
+        "(`baton keys add` writes it)",
+    )
+    parser.add_argument(
         "--tool-call-parser", help="hermes, llama3_json, or any of vLLM's registered tool parsers"
     )
     parser.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"])
@@ -64,7 +77,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
             "model.dtype": args.dtype,
             "gateway.host": args.host,
             "gateway.port": args.port,
-            "gateway.api_key": _api_key(args.api_key_file, environ),
+            "gateway.api_key": api_key(args.api_key_file, environ),
+            "gateway.api_keys_file": getattr(args, "api_keys_file", None),
             "gateway.tool_call_parser": args.tool_call_parser,
             "gateway.reasoning_parser": args.reasoning_parser,
             "workers.prefill": args.prefill,
@@ -78,7 +92,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     )
 
 
-def _api_key(path: str | None, environ: dict[str, str]) -> str | None:
+def api_key(path: str | None, environ: dict[str, str]) -> str | None:
+    """The single key from ``path``, else ``$BATON_API_KEY``, else None."""
     if path:
         with open(path, encoding="utf-8") as f:
             key = f.read().strip()
@@ -103,18 +118,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(
-    config: ClusterConfig, *, log_level: str = "info", ray_address: str | None = None
+    config: ClusterConfig,
+    *,
+    log_level: str = "info",
+    ray_address: str | None = None,
+    gateway_only: bool = False,
 ) -> int:
-    """Serve until a signal; ``ray_address``: join that Ray cluster instead of starting one."""
+    """Serve until a signal; ``ray_address``: join that Ray cluster instead of starting one;
+    ``gateway_only``: the workers are the running control plane's (``baton gateway``)."""
     import ray
 
     from services.gateway.app import create_app
     from services.gateway.connections import uvicorn_config
 
     local_gpus = _local_gpus(config)
-    if ray_address:
+    if ray.is_initialized():
+        pass  # the caller joined the cluster already (``baton gateway``)
+    elif ray_address:
         ray.init(address=ray_address, log_to_driver=log_level == "debug", namespace="baton")
-    elif not ray.is_initialized():
+    else:
         ray.init(
             num_cpus=_ray_cpus(config),
             num_gpus=None if local_gpus else 0,
@@ -123,7 +145,7 @@ async def serve(
             namespace="baton",
         )
     cluster_has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    svc = _build_service(config, cluster_has_gpus)
+    svc = build_gateway(config) if gateway_only else _build_service(config, cluster_has_gpus)
     app = create_app(svc)
     server = _server_class()(
         uvicorn_config(
@@ -179,6 +201,34 @@ def _build_service(config: ClusterConfig, cluster_has_gpus: bool) -> Any:
     return GatewayService(settings, load_tokenizer(config.model.name), specs, launcher)
 
 
+def build_gateway(config: ClusterConfig) -> Any:
+    """A gateway over the control plane already running in the Ray cluster."""
+    from services.cluster.control_plane import NAMESPACE, find_control_plane
+    from services.cluster.remote import RemoteController, find_ray_worker_of
+    from services.engine.loader import load_tokenizer
+    from services.gateway.service import GatewayService, GatewaySettings
+
+    plane = find_control_plane()
+    if plane is None:
+        raise RuntimeError("no Baton control plane in this Ray cluster: run `baton cluster up`")
+    settings = GatewaySettings(
+        config.gateway, config.router, config.model, config.kvtransfer.backend
+    )
+    return GatewayService(
+        settings,
+        load_tokenizer(config.model.name),
+        (),
+        _no_launch,
+        remote_controller=lambda on_snapshot, on_down: RemoteController(
+            plane, find_ray_worker_of(NAMESPACE), on_snapshot=on_snapshot, on_worker_down=on_down
+        ),
+    )
+
+
+def _no_launch(spec: Any) -> Any:
+    raise AssertionError(f"a gateway over a control plane launches no worker ({spec.worker_id})")
+
+
 async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
@@ -196,11 +246,13 @@ async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
 
 
 def check_backend_options(config: ClusterConfig) -> None:
-    """Refuse, before any worker starts, backend options the backend does not take and
-    a tool-call parser nobody provides."""
+    """Refuse, before any worker starts, backend options the backend does not take,
+    a tool-call parser nobody provides and a key file the gateway could not read."""
+    from services.gateway.access import key_table
     from services.gateway.parsers import check_tool_call_parser
 
     check_tool_call_parser(config.gateway.tool_call_parser)
+    key_table(config.gateway)
     if config.engine.backend == "vllm":
         from services.backends.vllm import check_vllm_options
 

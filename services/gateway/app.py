@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -23,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.access import AccessGate, key_table
 from services.gateway.bounds import check_bounds
 from services.gateway.errors import (
     APIError,
@@ -30,7 +30,6 @@ from services.gateway.errors import (
     ModelNotFound,
     NotReady,
     PayloadTooLarge,
-    Unauthorized,
 )
 from services.gateway.fields import check_fields
 from services.gateway.prepare import prepare_chat, prepare_completion
@@ -60,7 +59,8 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
     app = FastAPI(title="Baton", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=svc.settings.gateway.max_body_bytes)
     _add_error_handlers(app)
-    auth = _auth_dependency(svc.settings.gateway.api_key)
+    gate = AccessGate(key_table(svc.settings.gateway), svc.metrics)
+    auth = gate.authenticate
 
     def ready() -> None:
         if not svc.is_ready():
@@ -118,7 +118,8 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         prompt = await _off_loop_if_large(
             request, chat_prompt_ids, svc.tokenizer, body.chat_messages(), body.template_tools()
         )
-        return await respond(svc, prepare_chat(svc, body, prompt), request)
+        gen = prepare_chat(svc, body, prompt)
+        return await gate.run(request, gen, lambda on_finish: respond(svc, gen, request, on_finish))
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -128,7 +129,8 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         # Before tokenizing: a huge fan-out is refused at once.
         check_bounds(body, svc.settings.gateway, svc.tokenizer.vocab_size)
         prompts = await _off_loop_if_large(request, text_prompt_ids, svc.tokenizer, body.prompt)
-        return await respond(svc, prepare_completion(svc, body, prompts), request)
+        gen = prepare_completion(svc, body, prompts)
+        return await gate.run(request, gen, lambda on_finish: respond(svc, gen, request, on_finish))
 
     return app
 
@@ -143,22 +145,6 @@ async def _off_loop_if_large(request: Request, fn: Callable[..., T], *args: Any)
     if declared.isdigit() and int(declared) <= _INLINE_TOKENIZE_BYTES:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
-
-
-def _auth_dependency(api_key: str | None) -> Any:
-    # async: FastAPI runs a plain ``def`` dependency in a thread pool, a hop per request.
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # Bytes, not str: compare_digest refuses non-ASCII str (a 500), and a header may
-        # carry any byte.
-        given = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, api_key.encode()):
-            raise Unauthorized("Incorrect API key provided.", None, "invalid_api_key")
-
-    return check
 
 
 def _error_response(e: APIError) -> JSONResponse:

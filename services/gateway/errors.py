@@ -6,6 +6,7 @@
      ├── ModelNotFound        404  unknown model
      ├── PayloadTooLarge      413  body over gateway.max_body_bytes
      ├── Overloaded           429  router rejected, too many requests in flight (Retry-After)
+     │    └── RateLimited     429  a key over its limits (Retry-After, x-ratelimit-*)
      ├── NotReady             503  starting or draining, too many connections (Retry-After)
      ├── ServiceFailure       500  no worker could finish the request
      └── RequestTimeout       504  not finished within gateway.request_timeout_s
@@ -25,6 +26,7 @@ __all__ = [
     "NotReady",
     "Overloaded",
     "PayloadTooLarge",
+    "RateLimited",
     "RequestTimeout",
     "ServiceFailure",
     "Unauthorized",
@@ -95,6 +97,19 @@ class _RetryLater(APIError):
 class Overloaded(_RetryLater):
     status_code = 429
     error_type = "RateLimitError"
+
+
+class RateLimited(Overloaded):
+    """A key over one of its limits; ``limit_headers`` are OpenAI's ``x-ratelimit-*``."""
+
+    def __init__(self, message: str, retry_after_s: float, limit_headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after_s)
+        self.code = "rate_limit_exceeded"
+        self.limit_headers = limit_headers
+
+    def headers(self) -> dict[str, str]:
+        retry_after_ms = str(max(1, math.ceil(self.retry_after_s * 1000)))
+        return {**super().headers(), "retry-after-ms": retry_after_ms, **self.limit_headers}
 
 
 class NotReady(_RetryLater):

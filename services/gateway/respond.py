@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -113,7 +113,18 @@ async def _events(
         yield item
 
 
-async def respond(svc: GatewayService, gen: Generation, request: Request) -> Any:
+def _no_report(num_completion_tokens: int) -> None:
+    del num_completion_tokens
+
+
+async def respond(
+    svc: GatewayService,
+    gen: Generation,
+    request: Request,
+    on_finish: Callable[[int], None] = _no_report,
+) -> Any:
+    """Answer ``gen``; ``on_finish(num_completion_tokens)`` is called at most once, when the
+    answer ends; a caller that sees ``respond`` raise must not count on it."""
     if not svc.try_admit():
         _count(svc, "rejected", len(gen.choices))
         raise Overloaded("too many requests in flight", 1.0)
@@ -125,21 +136,24 @@ async def respond(svc: GatewayService, gen: Generation, request: Request) -> Any
         first = None
     except BaseException as e:
         svc.finish()
+        on_finish(0)
         await events.aclose()
         outcome = {Overloaded: "rejected", asyncio.CancelledError: "aborted"}.get(type(e), "error")
         _count(svc, outcome, len(gen.choices))
         raise
     if gen.stream:
         return BoundedStreamingResponse(
-            _stream_body(svc, gen, events, first, arrival_s),
+            _stream_body(svc, gen, events, first, arrival_s, on_finish),
             write_timeout_s=svc.settings.gateway.stream_write_timeout_s,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+    timers = [_ChoiceMetrics(svc, arrival_s) for _ in gen.choices]
     try:
-        return await _until_disconnect(_collect(svc, gen, events, first, arrival_s), request)
+        return await _until_disconnect(_collect(svc, gen, events, first, timers), request)
     finally:
         svc.finish()
+        on_finish(sum(t.num_output_tokens for t in timers))
 
 
 def _count(svc: GatewayService, outcome: str, n: int = 1) -> None:
@@ -169,13 +183,12 @@ async def _collect(
     gen: Generation,
     events: AsyncIterator[tuple[int, TokenDelta]],
     first: tuple[int, TokenDelta] | None,
-    arrival_s: float,
+    timers: Sequence[_ChoiceMetrics],
 ) -> JSONResponse:
     n = len(gen.choices)
     texts = [""] * n
     finish: list[str | None] = [None] * n
     accs = [LogprobsAcc(gen.endpoint) for _ in range(n)]
-    timers = [_ChoiceMetrics(svc, arrival_s) for _ in range(n)]
 
     def take(i: int, d: TokenDelta) -> None:
         timers[i].on_delta(d)
@@ -220,6 +233,7 @@ async def _stream_body(
     events: AsyncGenerator[tuple[int, TokenDelta], None],
     first: tuple[int, TokenDelta] | None,
     arrival_s: float,
+    on_finish: Callable[[int], None],
 ) -> AsyncIterator[bytes]:
     fmt = gen.formatter
     n = len(gen.choices)
@@ -278,6 +292,7 @@ async def _stream_body(
     finally:
         _count(svc, outcome, n)
         svc.finish()
+        on_finish(sum(t.num_output_tokens for t in timers))
         await events.aclose()
 
 

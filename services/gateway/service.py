@@ -15,8 +15,9 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.front_door import Router, RouterSettings
 from router.planner import RatioPlanner
@@ -34,11 +35,15 @@ from services.workers.client import WorkerClient
 from services.workers.messages import TokenDelta, WorkerSnapshot
 from services.workers.worker import WorkerSpec
 
-__all__ = ["GatewayService", "GatewaySettings", "make_router"]
+__all__ = ["ControllerFactory", "GatewayService", "GatewaySettings", "make_router"]
 
 log = logging.getLogger(__name__)
 
 _FALLBACK_POLICY = "round_robin"
+
+
+# (on_snapshot, on_worker_down) -> a controller found elsewhere (cluster.remote.RemoteController)
+ControllerFactory = Callable[[Callable[[WorkerSnapshot], None], Callable[[str, Role], None]], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,18 +79,25 @@ class GatewayService:
         metrics: BatonMetrics | None = None,
         controller_config: ControllerConfig | None = None,
         rebalance: bool = True,
+        remote_controller: ControllerFactory | None = None,
     ) -> None:
+        """``remote_controller``: a control plane that outlives this gateway (``specs`` and
+        ``launch`` unused); role flips are then the control plane's, not this gateway's."""
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = metrics or BatonMetrics()
         self.router = make_router(settings.router)
         self._max_model_lens: dict[str, int] = {}
-        self.controller = Controller(
-            specs,
-            launch,
-            on_snapshot=self._on_snapshot,
-            on_worker_down=self._on_worker_down,
-            config=controller_config,
+        self.controller: Controller | Any = (
+            Controller(
+                specs,
+                launch,
+                on_snapshot=self._on_snapshot,
+                on_worker_down=self._on_worker_down,
+                config=controller_config,
+            )
+            if remote_controller is None
+            else remote_controller(self._on_snapshot, self._on_worker_down)
         )
         self.policy_name = self.router.settings.policy
         self.executor = PlanExecutor(
@@ -100,7 +112,9 @@ class GatewayService:
             on_worker_died=self.controller.report_dead,
             tokenizer=tokenizer,
         )
-        self.rebalancer = self._make_rebalancer() if rebalance else None
+        self.rebalancer = (
+            self._make_rebalancer() if rebalance and remote_controller is None else None
+        )
         self._rebalance_task: asyncio.Task[None] | None = None
         self.started_s = time.time()
         self.draining = False

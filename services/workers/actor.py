@@ -17,7 +17,7 @@ from typing import Any
 from services.workers.client import RayWorkerClient
 from services.workers.worker import Worker, WorkerSpec
 
-__all__ = ["launch_ray_worker"]
+__all__ = ["find_ray_worker", "launch_ray_worker"]
 
 _MAX_CONCURRENT_CALLS = 4096  # streams + telemetry + control calls in flight at once
 
@@ -41,7 +41,11 @@ def launch_ray_worker(
     num_cpus: float,
     num_gpus: float,
     runtime_env: dict[str, Any] | None = None,
+    name: str | None = None,
+    namespace: str | None = None,
 ) -> RayWorkerClient:
+    """``name``: a named, detached actor, found again by ``find_ray_worker`` from any
+    process of the Ray cluster and outliving the process that launched it."""
     options: dict[str, Any] = {
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
@@ -50,8 +54,21 @@ def launch_ray_worker(
     }
     if runtime_env:
         options["runtime_env"] = runtime_env
+    if name is not None:
+        options.update(name=name, namespace=namespace, lifetime="detached")
     role_resource = str(spec.role.value)
     if role_resource in _cluster_resource_names():
         options["resources"] = {role_resource: 1}
     actor = _actor_class().options(**options).remote(spec)
     return RayWorkerClient(spec.worker_id, actor)
+
+
+def find_ray_worker(worker_id: str, name: str, namespace: str | None) -> RayWorkerClient | None:
+    """The live named worker actor ``name``, or None."""
+    import ray
+
+    try:
+        actor = ray.get_actor(name, namespace=namespace)
+    except ValueError:  # no such actor (never started, or killed)
+        return None
+    return RayWorkerClient(worker_id, actor)

@@ -86,6 +86,14 @@ def _is_final(event: WorkerEvent) -> bool:
     )
 
 
+# A worker's stream waits once this many events are unread. This is how a worker learns
+# that a gateway process died: the wait fails, the worker's generator is closed, and its
+# ``finally`` aborts the request and frees its blocks (without a bound, Ray would keep
+# the generator running for a consumer that is gone). Nothing is lost while it waits:
+# the worker coalesces queued token events into one.
+_UNREAD_EVENTS = 8
+
+
 class RayWorkerClient:
     """Calls a ``Worker`` Ray actor; token events arrive through a streaming generator."""
 
@@ -96,7 +104,9 @@ class RayWorkerClient:
     async def generate(self, job: Job) -> AsyncIterator[WorkerEvent]:
         import ray
 
-        stream = self.actor.generate.options(num_returns="streaming").remote(job)
+        stream = self.actor.generate.options(
+            num_returns="streaming", _generator_backpressure_num_objects=_UNREAD_EVENTS
+        ).remote(job)
         finished = False
         try:
             async for ref in stream:
@@ -117,7 +127,9 @@ class RayWorkerClient:
     async def telemetry(self) -> AsyncIterator[WorkerSnapshot]:
         import ray
 
-        stream = self.actor.telemetry.options(num_returns="streaming").remote()
+        stream = self.actor.telemetry.options(
+            num_returns="streaming", _generator_backpressure_num_objects=_UNREAD_EVENTS
+        ).remote()
         try:
             async for ref in stream:
                 yield await ref

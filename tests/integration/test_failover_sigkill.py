@@ -15,8 +15,6 @@ import httpx
 import pytest
 
 from router.policy import available_policies
-from services.config import RouterConfig
-from services.gateway.service import choose_policy
 from tests.support.cluster import real_service, tiny_config
 from tests.support.server import ServedGateway
 
@@ -130,7 +128,7 @@ def test_sigkilled_prefill_and_decode_workers_cost_no_stream_under_any_policy(
     assert set(SHIPPED_POLICIES) <= set(available_policies())
     undisturbed = _undisturbed()
     for name in SHIPPED_POLICIES:
-        cluster.svc.executor.set_policy(*choose_policy(RouterConfig(policy=name, max_hold_s=5.0)))
+        cluster.svc.executor.use_policy(name)  # router.max_hold_s is 5 s (the fixture)
         _wait_until_ready(cluster)
         before = set(cluster.svc.controller.workers())
         assert _run(cluster, kill=True) == undisturbed, name

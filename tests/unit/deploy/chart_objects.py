@@ -7,14 +7,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Pod", "by_kind", "one", "pods", "ray_resources"]
+__all__ = ["Pod", "by_kind", "gateway_pod", "one", "pods", "ray_resources"]
 
 
 @dataclass(frozen=True, slots=True)
 class Pod:
-    """One pod template: the head, a RayCluster worker group, or a worker Deployment."""
+    """One pod template: the head, the gateways, a RayCluster worker group, or a worker
+    Deployment."""
 
-    source: str  # "head", "raycluster", "deployment"
+    source: str  # "head", "gateway", "raycluster", "deployment"
     group: str
     role: str
     template: dict[str, Any]
@@ -29,7 +30,7 @@ class Pod:
 
     @property
     def is_worker(self) -> bool:
-        return self.source != "head"
+        return self.source in ("raycluster", "deployment")
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -50,12 +51,20 @@ def pods(docs: list[dict[str, Any]]) -> Iterator[Pod]:
         yield Pod("raycluster", group["groupName"], labels["baton.io/role"], group["template"])
     for deployment in by_kind(docs, "Deployment"):
         labels = deployment["metadata"]["labels"]
+        if labels["app.kubernetes.io/component"] == "gateway":
+            yield Pod("gateway", "gateway", "gateway", deployment["spec"]["template"])
+            continue
         yield Pod(
             "deployment",
             labels["baton.io/group"],
             labels["baton.io/role"],
             deployment["spec"]["template"],
         )
+
+
+def gateway_pod(docs: list[dict[str, Any]]) -> Pod:
+    (pod,) = [p for p in pods(docs) if p.source == "gateway"]
+    return pod
 
 
 def ray_resources(value: str) -> dict[str, float]:

@@ -11,7 +11,14 @@ import pytest
 import yaml
 
 from services.config import ClusterConfig
-from tests.unit.deploy.chart_objects import Pod, by_kind, one, pods, ray_resources
+from tests.unit.deploy.chart_objects import (
+    Pod,
+    by_kind,
+    gateway_pod,
+    one,
+    pods,
+    ray_resources,
+)
 from tests.unit.deploy.conftest import CHART, NAMESPACE, VALUE_SETS, load_values
 from tests.unit.deploy.gateway_routes import gateway_routes
 from tests.unit.deploy.k8s_schemas import CRDSchemas, SchemaMissingError, validate_object
@@ -240,7 +247,8 @@ def test_replicas_are_left_to_the_autoscaler_when_one_is_enabled(
     docs = _docs(rendered_sets, name)
     spec = one(docs, "RayCluster")["spec"]
     groups = spec.get("workerGroupSpecs", [])
-    deployments, scaled = by_kind(docs, "Deployment"), by_kind(docs, "ScaledObject")
+    deployments = [d for d in by_kind(docs, "Deployment") if d is not _gateway_deployment(docs)]
+    scaled = by_kind(docs, "ScaledObject")
     match _autoscaling(load_values(name)):
         case "none":
             assert "enableInTreeAutoscaling" not in spec and deployments == scaled == []
@@ -262,6 +270,15 @@ def test_replicas_are_left_to_the_autoscaler_when_one_is_enabled(
                 target = targets[d["metadata"]["name"]]
                 assert target["scaleTargetRef"]["kind"] == "Deployment"
                 assert target["minReplicaCount"] <= target["maxReplicaCount"]
+
+
+def _gateway_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (gateway,) = [
+        d
+        for d in by_kind(docs, "Deployment")
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+    ]
+    return gateway
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -343,24 +360,66 @@ def test_gateway_probes_hit_routes_the_gateway_serves(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
     docs = _docs(rendered_sets, name)
-    head = next(pods(docs)).main
+    gateway = gateway_pod(docs)
+    main = gateway.main
     get_paths = {path for method, path in gateway_routes() if method == "GET"}
-    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        http = head[probe]["httpGet"]
+        http = main[probe]["httpGet"]
         assert http["path"] in get_paths, (probe, http["path"])
         assert http["port"] == "http"
     # Readiness must follow /health (503 while starting or draining).
-    assert head["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert main["readinessProbe"]["httpGet"]["path"] == "/health"
     service = one(docs, "Service")
     assert service["spec"]["ports"][0]["targetPort"] == "http"
     assert service["spec"]["ports"][0]["port"] == ports["http"]
-    assert (
-        service["spec"]["selector"].items()
-        <= next(pods(docs)).template["metadata"]["labels"].items()
-    )
-    assert f"--port {ports['http']}" in head["args"][0]
-    assert "RAY_ADDRESS=auto exec baton serve --config /etc/baton/config.yaml" in head["args"][0]
+    selected = [
+        p
+        for p in pods(docs)
+        if service["spec"]["selector"].items() <= p.template["metadata"]["labels"].items()
+    ]
+    assert selected == [gateway]  # the Service reaches the gateways, and only them
+    assert f"--port {ports['http']}" in main["args"][0]
+    assert "RAY_ADDRESS=auto exec baton gateway" in main["args"][0]
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_the_gateway_is_its_own_deployment_of_two_and_the_head_runs_only_ray_and_the_controller(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    values = load_values(name)
+    deployment = _gateway_deployment(docs)
+    assert deployment["spec"]["replicas"] == values.get("gateway", {}).get("replicas", 2)
+    args = gateway_pod(docs).main["args"][0]
+    # A Ray node with nothing to schedule on it, joined to the head, then the gateway.
+    assert "ray start" in args and "--num-cpus=0 --num-gpus=0" in args
+    assert "--address=rel-baton-head-svc.llm.svc:6379" in args
+    head = next(pods(docs))
+    head_args = head.main["args"][0]
+    assert "baton cluster up --config /etc/baton/config.yaml" in head_args
+    assert "baton serve" not in head_args and "baton gateway" not in head_args
+    assert [p["name"] for p in head.main["ports"]] == ["gcs"]  # no HTTP on the head
+    head_params = one(docs, "RayCluster")["spec"]["headGroupSpec"]["rayStartParams"]
+    assert ray_resources(head_params["resources"]) == {"baton_controller": 1}  # the controller's
+    for pod in pods(docs):
+        if pod.is_worker:
+            assert "baton_controller" not in str(pod.template)
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_the_gateways_have_a_disruption_budget_keeping_one_serving(
+    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = _docs(rendered_sets, name)
+    labels = gateway_pod(docs).template["metadata"]["labels"]
+    budgets = [
+        b["spec"]
+        for b in by_kind(docs, "PodDisruptionBudget")
+        if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ]
+    assert budgets == [{"minAvailable": 1, "selector": budgets[0]["selector"]}]
+    assert budgets[0]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -368,7 +427,10 @@ def test_api_key_comes_from_the_named_secret_only_when_given(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
     api_key = load_values(name).get("apiKey", {})
-    env = {e["name"]: e for e in next(pods(_docs(rendered_sets, name))).main["env"]}
+    env = {e["name"]: e for e in gateway_pod(_docs(rendered_sets, name)).main["env"]}
+    for pod in pods(_docs(rendered_sets, name)):  # no other pod holds the key
+        if pod.source != "gateway":
+            assert "BATON_API_KEY" not in {e["name"] for e in pod.main["env"]}, pod.group
     if api_key.get("existingSecret"):
         ref = env["BATON_API_KEY"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": api_key["existingSecret"], "key": api_key.get("key", "api-key")}
@@ -376,23 +438,59 @@ def test_api_key_comes_from_the_named_secret_only_when_given(
         assert "BATON_API_KEY" not in env
 
 
+def test_a_key_file_secret_is_mounted_into_the_gateway_and_passed_as_api_keys_file(
+    render_fn: Any,
+) -> None:
+    docs = render_fn({"apiKeys": {"existingSecret": "baton-keys", "key": "keys.yaml"}})
+    head = gateway_pod(docs)
+    assert "--api-keys-file /etc/baton-keys/keys.yaml" in head.main["args"][0]
+    mount = next(m for m in head.main["volumeMounts"] if m["name"] == "api-keys")
+    assert mount == {"name": "api-keys", "mountPath": "/etc/baton-keys", "readOnly": True}
+    volume = next(v for v in head.spec["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == "baton-keys"
+    plain = gateway_pod(render_fn({}))
+    assert "--api-keys-file" not in plain.main["args"][0]
+    assert all(v["name"] != "api-keys" for v in plain.spec["volumes"])
+
+
+def _policies_for(docs: list[dict[str, Any]], labels: dict[str, str]) -> list[dict[str, Any]]:
+    return [
+        p["spec"]
+        for p in by_kind(docs, "NetworkPolicy")
+        if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    ]
+
+
 @pytest.mark.parametrize("name", SETS)
-def test_network_policy_opens_only_the_gateway_port_beyond_the_release(
+def test_network_policy_lets_only_the_release_reach_workers_and_only_gateways_take_http(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
+    """Worker and KV-transfer ports: reachable from the release's gateways, workers and head
+    (Ray and the controller) only; the gateway port: on the gateways only."""
     docs = _docs(rendered_sets, name)
-    policy = one(docs, "NetworkPolicy")["spec"]
-    release_labels = policy["podSelector"]["matchLabels"]
-    assert policy["policyTypes"] == ["Ingress"]
-    for rule in policy["ingress"]:
-        peers = rule.get("from", [])
-        intra = peers and all(
-            p.get("podSelector", {}).get("matchLabels") == release_labels for p in peers
-        )
-        assert intra or rule.get("ports") == [{"port": "http", "protocol": "TCP"}], rule
-    # Every pod of the release is covered by the policy.
+    values = load_values(name)
+    extra = values.get("networkPolicy", {}).get("extraIngress", [])
+    release = dict(one(docs, "Service")["spec"]["selector"])
+    release.pop("app.kubernetes.io/component")
     for pod in pods(docs):
-        assert release_labels.items() <= pod.template["metadata"]["labels"].items()
+        labels = pod.template["metadata"]["labels"]
+        rules = [r for spec in _policies_for(docs, labels) for r in spec["ingress"]]
+        assert all(spec["policyTypes"] == ["Ingress"] for spec in _policies_for(docs, labels))
+        for rule in rules:
+            if rule in extra:
+                continue
+            peers = rule.get("from", [])
+            intra = bool(peers) and all(
+                p.get("podSelector", {}).get("matchLabels") == release for p in peers
+            )
+            if pod.source == "gateway" and not intra:
+                assert rule["ports"] == [{"port": "http", "protocol": "TCP"}], rule
+            else:
+                assert intra, (pod.group, rule)  # a worker, the head: only from the release
+        assert rules, pod.group  # every pod is covered by a policy
+        if pod.is_worker:
+            ports = {p["name"] for p in pod.main.get("ports", [])}
+            assert "nixl-side" in ports  # the KV-transfer port the policy guards
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -406,7 +504,9 @@ def test_each_worker_group_has_a_disruption_budget_selecting_its_pods(
         matching = [b for b in budgets if b["selector"]["matchLabels"].items() <= labels.items()]
         if pod.is_worker:
             assert len(matching) == 1 and matching[0]["maxUnavailable"] == 1, pod.group
-        elif load_values(name).get("podDisruptionBudget", {}).get("head", {}).get("enabled"):
+        elif pod.source == "head" and load_values(name).get("podDisruptionBudget", {}).get(
+            "head", {}
+        ).get("enabled"):
             assert [b["maxUnavailable"] for b in matching] == [0]
 
 

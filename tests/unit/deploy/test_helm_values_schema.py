@@ -16,7 +16,7 @@ from tests.unit.deploy.conftest import CHART, VALUE_SETS, load_values
 # Keys of the ClusterConfig the chart sets itself, so values may not.
 CHART_OWNED = {
     "workers": {"prefill", "decode", "encode", "mixed", "gpus_per_role"},
-    "gateway": {"host", "port", "api_key"},
+    "gateway": {"host", "port", "api_key", "api_keys_file"},
 }
 
 
@@ -42,7 +42,9 @@ def chart() -> helm_python.Chart:
         ({"service": {"port": 0}}, "port"),
         ({"model": {"source": "s3"}}, "source"),
         ({"autoscaling": {"mode": "hpa"}}, "mode"),
-        ({"head": {"probes": {"readiness": {"path": "health"}}}}, "path"),
+        ({"gateway": {"probes": {"readiness": {"path": "health"}}}}, "path"),
+        ({"gateway": {"replicas": 0}}, "replicas"),
+        ({"head": {"probes": {}}}, "probes"),
         ({"config": {"engine": {"backnd": "vllm"}}}, "backnd"),
         ({"config": {"engine": {"block_size": 0}}}, "block_size"),
         ({"config": {"kvtransfer": {"backend": "carrier-pigeon"}}}, "backend"),

@@ -1,0 +1,45 @@
+"""``baton keys add`` writes only salted hashes; ``baton serve --api-keys-file`` reads them."""
+
+from __future__ import annotations
+
+import io
+import stat
+from pathlib import Path
+
+import pytest
+
+from services.cli import main
+from services.cluster.serve import build_config, check_backend_options
+from services.gateway.keys import KeyLimits, load_key_table
+from tests.unit.gateway.test_serve_config import parse
+
+
+def test_keys_add_prints_the_key_once_and_stores_its_hash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "keys.yaml"
+    assert main(["keys", "add", "alice", "--file", str(path), "--requests-per-minute", "5"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("sk-baton-") and key not in path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    monkeypatch.setattr("sys.stdin", io.StringIO("my-own-key\n"))
+    assert main(["keys", "add", "bob", "--file", str(path), "--stdin"]) == 0
+    assert capsys.readouterr().out == ""  # a key from stdin is not echoed
+    table = load_key_table(path)
+    alice, bob = table.find(key.encode()), table.find(b"my-own-key")
+    assert alice is not None and alice.limits == KeyLimits(requests_per_minute=5)
+    assert bob is not None and bob.name == "bob"
+    assert main(["keys", "add", "alice", "--file", str(path)]) == 2  # names are unique
+    assert main(["keys", "add", "carol", "--file", str(path), "--tokens-per-minute", "0"]) == 2
+
+
+def test_serve_reads_the_key_file_and_refuses_a_bad_one_before_starting(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("alice: {hash: 'not-a-hash'}\n")
+    config = build_config(parse("--api-keys-file", str(path)), {})
+    assert config.gateway.api_keys_file == str(path)
+    with pytest.raises(ValueError, match="alice"):
+        check_backend_options(config)
+    missing = build_config(parse("--api-keys-file", str(tmp_path / "nope.yaml")), {})
+    with pytest.raises(OSError):
+        check_backend_options(missing)
