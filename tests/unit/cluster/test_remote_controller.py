@@ -110,7 +110,7 @@ async def test_two_gateways_share_the_workers_and_one_stopping_leaves_them_servi
     await second.start()
     try:
         assert first.is_ready() and second.is_ready()
-        assert set(first.state.snapshots()) == set(second.state.snapshots()) == set(plane.workers)
+        assert set(first.router.reports()) == set(second.router.reports()) == set(plane.workers)
         text = await _complete(first)
         assert await _complete(second) == text
         await first.stop()
@@ -133,7 +133,7 @@ async def test_a_worker_leaving_the_registry_is_down_for_the_gateway(plane: Fake
                 break
             await _sleep(0.02)
         assert "decode-0" not in svc.controller.workers()
-        assert "decode-0" not in svc.state.snapshots()
+        assert "decode-0" not in svc.router.reports()
         assert plane.reported_dead == []  # the plane knew first; nothing to report
         gone.stop_now()
     finally:
@@ -149,7 +149,7 @@ async def test_a_dead_worker_seen_by_the_gateway_is_reported_to_the_plane(
         svc.controller.report_dead("prefill-0")
         await _sleep(0)
         assert plane.reported_dead == ["prefill-0"]
-        assert "prefill-0" not in svc.state.snapshots()
+        assert "prefill-0" not in svc.router.reports()
         await _sleep(0.1)  # still listed by the plane: not adopted again by this gateway
         assert "prefill-0" not in svc.controller.workers()
     finally:
@@ -204,7 +204,7 @@ async def test_a_restarting_controller_does_not_take_the_workers_from_the_gatewa
         plane.registry = _FakeMethod(starting)  # Ray restarted the controller
         await _sleep(0.2)  # several polls
         assert set(svc.controller.workers()) == set(plane.workers)
-        assert set(svc.state.snapshots()) == set(plane.workers)
+        assert set(svc.router.reports()) == set(plane.workers)
         assert await _complete(svc)
     finally:
         await svc.stop()
