@@ -3,8 +3,8 @@
 The language model is the engine's ordinary ``CausalLM``; the vision half is an
 ``ImageEncoder`` beside it (``LoadedModel.vision``), so an encode worker can run it
 alone and hand the embeddings to a prefill worker. An image becomes
-``num_image_tokens`` embeddings that replace, in order, the prompt's run of
-``image_token_id`` placeholders (one run per image; see ``expand_image_tokens``).
+``num_image_tokens`` embeddings that replace, in order, the prompt's runs of
+``image_token_id`` placeholders (see ``placeholders.py``).
 
 Checkpoints are read in every layout ``transformers`` has saved: ``language_model.model.*``
 / ``language_model.lm_head.*`` / ``vision_tower[.vision_model].*`` /
@@ -32,7 +32,6 @@ __all__ = [
     "ImageEncoder",
     "LlavaArgs",
     "LoadedVision",
-    "expand_image_tokens",
     "split_llava_checkpoint",
 ]
 
@@ -146,19 +145,6 @@ class LoadedVision:
     def encode(self, images: Sequence[Any]) -> torch.Tensor:
         """PIL images -> ``[N, num_image_tokens, hidden]`` in the model's dtype."""
         return self.encoder(self.processor.preprocess(images))
-
-
-def expand_image_tokens(
-    token_ids: Sequence[int], image_token_id: int, num_image_tokens: int
-) -> list[int]:
-    """Each placeholder becomes ``num_image_tokens`` of them, as LLaVA's processor expands ``<image>``."""
-    out: list[int] = []
-    for t in token_ids:
-        if t == image_token_id:
-            out.extend([t] * num_image_tokens)
-        else:
-            out.append(t)
-    return out
 
 
 _LM = re.compile(r"^(?:language_model\.|model\.language_model\.)(?:model\.)?(.*)$")

@@ -12,18 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from services.engine.batch import ForwardBatch
-from services.engine.llava import LoadedVision, expand_image_tokens, split_llava_checkpoint
+from services.engine.llava import LoadedVision, split_llava_checkpoint
 from services.engine.loader import load_model
 from services.engine.messages import UnsupportedModelError
 from services.engine.model import CausalLM
-from services.engine.tiny_vl import TINY_VL_NAME, tiny_vl_hf_config
+from services.engine.placeholders import expand_image_tokens
+from services.engine.tiny_vl import TINY_VL_NAME
 from tests.unit.engine.conftest import _scramble
+from tests.unit.engine.llava_twin import hf_names, random_image, tiny_vl_twin
 
 TOL = 1e-4
 VOCAB = 96
@@ -119,11 +120,6 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> LlavaCheckpoint:
     return _build(tmp_path_factory.mktemp("llava"), -2, "default")
 
 
-def _image(seed: int, width: int, height: int, mode: str = "RGB") -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels).convert(mode)
-
-
 def _logits_ours(
     model: CausalLM, vision: LoadedVision, token_ids: list[int], images: list[Image.Image]
 ) -> torch.Tensor:
@@ -158,8 +154,11 @@ def _logits_hf(ckpt: LlavaCheckpoint, text: str, images: list[Image.Image]) -> A
 @pytest.mark.parametrize(
     "images",
     [
-        [_image(1, 48, 40)],  # one image, landscape
-        [_image(2, 30, 56, "RGBA"), _image(3, 64, 64)],  # two: portrait (upscaled), square
+        [random_image(1, 48, 40)],  # one image, landscape
+        [
+            random_image(2, 30, 56, "RGBA"),
+            random_image(3, 64, 64),
+        ],  # two: portrait (upscaled), square
     ],
     ids=["one_image", "two_images"],
 )
@@ -179,7 +178,9 @@ def test_logits_equal_transformers(llava: LlavaCheckpoint, images: list[Image.Im
     got = _logits_ours(loaded.model, loaded.vision, token_ids, images)
     torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
     # A wrong image in the same slots would not pass: the images do steer the logits.
-    other = _logits_ours(loaded.model, loaded.vision, token_ids, [_image(9, 32, 32)] * len(images))
+    other = _logits_ours(
+        loaded.model, loaded.vision, token_ids, [random_image(9, 32, 32)] * len(images)
+    )
     assert (other - expected).abs().max() > 100 * TOL
 
 
@@ -200,7 +201,7 @@ def test_feature_layers_and_full_strategy(
     ckpt = _build(tmp_path, layer, strategy)
     loaded = load_model(str(tmp_path))
     assert loaded.vision is not None
-    images = [_image(4, 40, 36)]
+    images = [random_image(4, 40, 36)]
     text = f"USER: {IMAGE_TOKEN} hello"
     inputs, expected = _logits_hf(ckpt, text, images)
     ids = inputs["input_ids"][0].tolist()
@@ -210,17 +211,13 @@ def test_feature_layers_and_full_strategy(
 
 
 def test_tiny_vl_equals_its_transformers_twin() -> None:
-    from transformers import LlavaForConditionalGeneration
-
     loaded = load_model(TINY_VL_NAME)
     assert loaded.vision is not None
-    twin = LlavaForConditionalGeneration(tiny_vl_hf_config()).float().eval()
-    ours = _hf_names(loaded)
-    text_state, vision_state = split_llava_checkpoint(ours)  # the in-memory 5.x names split too
+    text_state, vision_state = split_llava_checkpoint(hf_names(loaded))  # 5.x names split too
     assert set(vision_state) == set(loaded.vision.encoder.state_dict())
     assert "lm_head.weight" in text_state
-    twin.load_state_dict(ours, strict=True)
-    images = [_image(5, 50, 40), _image(6, 32, 32)]
+    twin = tiny_vl_twin(loaded)
+    images = [random_image(5, 50, 40), random_image(6, 32, 32)]
     prompt = loaded.tokenizer.apply_chat_template(
         [
             {
@@ -241,15 +238,6 @@ def test_tiny_vl_equals_its_transformers_twin() -> None:
         expected = twin(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
     got = _logits_ours(loaded.model, loaded.vision, ids, images)
     torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
-
-
-def _hf_names(loaded: Any) -> dict[str, torch.Tensor]:
-    """Our weights under the names of transformers 5's in-memory LlavaForConditionalGeneration."""
-    text = {
-        k if k.startswith("lm_head.") else f"model.language_model.{k.removeprefix('model.')}": v
-        for k, v in loaded.model.hf_state_dict().items()
-    }
-    return text | {f"model.{k}": v for k, v in loaded.vision.encoder.state_dict().items()}
 
 
 def _edit_config(folder: Path, **changes: Any) -> None:
