@@ -7,9 +7,54 @@ run, split in order).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-__all__ = ["expand_image_tokens", "image_offsets"]
+__all__ = [
+    "TINY_VL_IMAGE_PROMPT",
+    "ImagePromptSpec",
+    "expand_image_tokens",
+    "image_offsets",
+    "read_image_prompt_spec",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePromptSpec:
+    """How a multimodal model's images enter its prompt."""
+
+    image_token_id: int
+    num_image_tokens: int  # placeholders per image
+
+
+# tiny-vl's (services/engine/tiny_vl.py; a test holds the two equal): here without torch.
+TINY_VL_IMAGE_PROMPT = ImagePromptSpec(image_token_id=261, num_image_tokens=16)
+
+
+def read_image_prompt_spec(name_or_path: str) -> ImagePromptSpec | None:
+    """The model's image prompt spec from its config alone (no weights, no torch); None: text only."""
+    if name_or_path == "tiny-vl":
+        return TINY_VL_IMAGE_PROMPT
+    path = Path(name_or_path).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    if "LlavaForConditionalGeneration" not in (cfg.get("architectures") or []):
+        return None
+    from transformers import LlavaConfig  # fills the vision defaults released configs omit
+
+    full = LlavaConfig.from_dict(cfg)
+    vision: Any = full.vision_config
+    side = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+    patch = vision.patch_size if isinstance(vision.patch_size, int) else vision.patch_size[0]
+    drop_cls = full.vision_feature_select_strategy == "default"
+    return ImagePromptSpec(
+        image_token_id=int(full.image_token_id),
+        num_image_tokens=(side // patch) ** 2 + (0 if drop_cls else 1),
+    )
 
 
 def expand_image_tokens(

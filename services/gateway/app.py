@@ -30,11 +30,12 @@ from services.gateway.errors import (
     Unauthorized,
 )
 from services.gateway.fields import check_fields
+from services.gateway.images import chat_prompt
 from services.gateway.prepare import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.respond import respond
 from services.gateway.service import GatewayService
-from services.gateway.tokens import chat_prompt_ids, text_prompt_ids
+from services.gateway.tokens import text_prompt_ids
 
 __all__ = ["create_app"]
 
@@ -92,10 +93,10 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         check_fields(body)
         ready()
         check_sequences(body)
-        if body.has_images():
-            raise BadRequest("this model does not accept images", "messages")
-        prompt = chat_prompt_ids(svc.tokenizer, body.chat_messages(), body.template_tools())
-        return await respond(svc, prepare_chat(svc, body, prompt), request)
+        prompt, images = await chat_prompt(
+            body, svc.tokenizer, svc.image_spec, svc.settings.gateway.images
+        )
+        return await respond(svc, prepare_chat(svc, body, prompt, images), request)
 
     def check_sequences(body: ChatCompletionRequest | CompletionRequest) -> None:
         prompt = getattr(body, "prompt", None)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 
 from router.policy import Policy
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
-from services.engine.block_hash import compute_block_hashes
+from services.engine.block_hash import compute_block_hashes, image_hash_token_ids
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+from services.engine.messages import EngineRequest, FinishReason, ImageInput, SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.gateway.errors import BadRequest, Overloaded, ServiceFailure
 from services.gateway.state import ClusterState, Reservation
@@ -102,6 +102,7 @@ class PlanExecutor:
         *,
         slo: SLO | None = None,
         priority: Priority = Priority.INTERACTIVE,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one has ``finish_reason``; re-plan on failures."""
         profile = RequestProfile(
@@ -110,7 +111,7 @@ class PlanExecutor:
             num_new_tokens=len(prompt_token_ids),
             max_tokens=sampling.max_tokens,
             slo=slo or SLO(),
-            prefix_hashes=self._prefix_hashes(prompt_token_ids),
+            prefix_hashes=self._prefix_hashes(prompt_token_ids, images),
             priority=priority,
             arrival_s=arrival_s,
         )
@@ -127,7 +128,9 @@ class PlanExecutor:
             plan = await self._place(placing, replaced=attempt > 0)
             if attempt == 0:
                 self._metrics.stage_s.labels("queue").observe(time.monotonic() - arrival_s)
-            stream = self._execute(plan, attempt_id, prompt_token_ids, tuple(generated), sampling)
+            stream = self._execute(
+                plan, attempt_id, prompt_token_ids, tuple(generated), sampling, images
+            )
             try:
                 async with _closing(stream):  # closing aborts what is unfinished
                     async for delta in stream:
@@ -147,12 +150,15 @@ class PlanExecutor:
             self._metrics.retries.labels(reason).inc()
         raise ServiceFailure(f"request failed on {self._config.max_attempts} placements; giving up")
 
-    def _prefix_hashes(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    def _prefix_hashes(
+        self, prompt: tuple[int, ...], images: tuple[ImageInput, ...]
+    ) -> tuple[int, ...]:
         """The prompt's full blocks named as the workers name their cached blocks."""
         block_size = self._state.block_size()
         if block_size is None:
             return ()
-        return tuple(compute_block_hashes(prompt, block_size))
+        spans = [(i.offset, i.num_tokens, i.content_hash) for i in images]
+        return tuple(compute_block_hashes(image_hash_token_ids(prompt, spans), block_size))
 
     # -- placement ----------------------------------------------------------------------
     async def _place(self, profile: RequestProfile, *, replaced: bool = False) -> Plan:
@@ -193,19 +199,22 @@ class PlanExecutor:
         prompt: tuple[int, ...],
         generated: tuple[int, ...],
         sampling: SamplingParams,
+        images: tuple[ImageInput, ...],
     ) -> AsyncGenerator[TokenDelta, None]:
         if plan.colocated or generated:
             # A continuation after a failure runs where decoding would have run.
             worker_id = plan.decode_worker if generated and plan.decode_worker else None
             worker_id = worker_id or plan.prefill_worker
-            request = EngineRequest(request_id, prompt, sampling, output_token_ids=generated)
+            request = EngineRequest(
+                request_id, prompt, sampling, output_token_ids=generated, images=images
+            )
             async with _closing(self._stream(worker_id, Generate(request), prefill=True)) as s:
                 async for delta in s:
                     yield delta
             return
         assert plan.decode_worker is not None
         disaggregated = self._disaggregated(
-            plan.prefill_worker, plan.decode_worker, request_id, prompt, sampling
+            plan.prefill_worker, plan.decode_worker, request_id, prompt, sampling, images
         )
         async with _closing(disaggregated) as s:
             async for delta in s:
@@ -218,6 +227,7 @@ class PlanExecutor:
         request_id: str,
         prompt: tuple[int, ...],
         sampling: SamplingParams,
+        images: tuple[ImageInput, ...],
     ) -> AsyncGenerator[TokenDelta, None]:
         decode_reservation = self._state.reserve(
             decode_id, len(prompt), sampling.max_tokens, prefill=False
@@ -226,7 +236,7 @@ class PlanExecutor:
         try:
             handle = None
             first_tokens: tuple[int, ...] = ()
-            request = EngineRequest(request_id, prompt, sampling, prefill_only=True)
+            request = EngineRequest(request_id, prompt, sampling, prefill_only=True, images=images)
             async with _closing(self._stream(prefill_id, Generate(request), prefill=True)) as s:
                 async for delta in s:
                     first_tokens += delta.token_ids
@@ -237,7 +247,11 @@ class PlanExecutor:
                     yield delta
             if handle is None:
                 return  # the first token already finished the request
-            request = EngineRequest(request_id, prompt, sampling, output_token_ids=first_tokens)
+            # The decoder pulls the prompt's KV: its images only name its blocks.
+            named = tuple(replace(i, data=None, embeddings=None) for i in images)
+            request = EngineRequest(
+                request_id, prompt, sampling, output_token_ids=first_tokens, images=named
+            )
             started_s = time.monotonic()
             stream = self._stream(
                 decode_id, Continue(request, handle), prefill=False, reserved=decode_reservation

@@ -20,7 +20,8 @@ from router.types import SLO, Priority, Role
 from services.cluster.controller import Controller, ControllerConfig, Launcher
 from services.cluster.rebalance import Rebalancer
 from services.config import GatewayConfig, ModelConfig, RouterConfig
-from services.engine.messages import SamplingParams
+from services.engine.messages import ImageInput, SamplingParams
+from services.engine.placeholders import read_image_prompt_spec
 from services.gateway.executor import ExecutorConfig, PlanExecutor
 from services.gateway.state import ClusterState
 from services.gateway.tokens import Tokenizer
@@ -82,6 +83,7 @@ class GatewayService:
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self.image_spec = read_image_prompt_spec(settings.model.name)  # None: text only
         self.metrics = metrics or BatonMetrics()
         self.state = ClusterState(settings.router.length_threshold_tokens)
         self.controller = Controller(
@@ -173,6 +175,7 @@ class GatewayService:
         *,
         slo: SLO | None = None,
         priority: Priority = Priority.INTERACTIVE,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[TokenDelta]:
         """Run one request; targets ``slo`` leaves out are ``router.default_slo``'s."""
         n = len(prompt_token_ids)
@@ -185,6 +188,7 @@ class GatewayService:
             arrival_s,
             slo=self.request_slo(slo or SLO()),
             priority=priority,
+            images=images,
         )
 
     def request_slo(self, asked: SLO) -> SLO:

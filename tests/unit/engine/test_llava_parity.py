@@ -21,7 +21,11 @@ from services.engine.llava import LoadedVision, split_llava_checkpoint
 from services.engine.loader import load_model
 from services.engine.messages import UnsupportedModelError
 from services.engine.model import CausalLM
-from services.engine.placeholders import expand_image_tokens
+from services.engine.placeholders import (
+    ImagePromptSpec,
+    expand_image_tokens,
+    read_image_prompt_spec,
+)
 from services.engine.tiny_vl import TINY_VL_NAME
 from tests.unit.engine.conftest import _scramble
 from tests.unit.engine.llava_twin import hf_names, random_image, tiny_vl_twin
@@ -182,6 +186,19 @@ def test_logits_equal_transformers(llava: LlavaCheckpoint, images: list[Image.Im
         loaded.model, loaded.vision, token_ids, [random_image(9, 32, 32)] * len(images)
     )
     assert (other - expected).abs().max() > 100 * TOL
+
+
+@pytest.mark.parametrize("name", ["checkpoint", TINY_VL_NAME])
+def test_the_gateways_image_spec_agrees_with_the_loaded_model(
+    llava: LlavaCheckpoint, name: str
+) -> None:
+    # The gateway reads it from config.json alone (no torch, no weights).
+    path = str(llava.folder) if name == "checkpoint" else name
+    loaded = load_model(path)
+    assert loaded.vision is not None
+    spec = ImagePromptSpec(loaded.vision.image_token_id, loaded.vision.num_image_tokens)
+    assert read_image_prompt_spec(path) == spec
+    assert read_image_prompt_spec("tiny") is None
 
 
 def test_text_only_prompt_to_a_llava_model(llava: LlavaCheckpoint) -> None:
