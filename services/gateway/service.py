@@ -213,6 +213,9 @@ class GatewayService:
         m.worker_requests.labels(wid, role, "running").set(len(s.running))
         m.worker_requests.labels(wid, role, "waiting").set(len(s.waiting_prompt_lens))
         m.worker_preemptions.labels(wid).set(s.num_preemptions)
+        if s.num_images_encoded or s.num_image_cache_hits:
+            m.worker_images.labels(wid, "encoded").set(s.num_images_encoded)
+            m.worker_images.labels(wid, "cached").set(s.num_image_cache_hits)
         self._count_workers()
 
     def _on_worker_down(self, worker_id: str, role: Role) -> None:

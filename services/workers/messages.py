@@ -120,6 +120,8 @@ class WorkerSnapshot:
     max_num_seqs: int
     max_model_len: int
     prefix_digest: tuple[int, ...] = ()  # hashes of cached full blocks (block_hash.py)
+    num_images_encoded: int = 0  # since start: images run through the vision encoder
+    num_image_cache_hits: int = 0  # since start: images served by the encoder-output cache
 
     @property
     def num_used_blocks(self) -> int:

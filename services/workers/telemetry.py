@@ -55,6 +55,8 @@ def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
         max_num_seqs=loop.max_num_seqs,
         max_model_len=engine.model_info.max_model_len,
         prefix_digest=stats.cached_block_hashes,
+        num_images_encoded=stats.num_images_encoded,
+        num_image_cache_hits=stats.num_image_cache_hits,
     )
 
 

@@ -8,6 +8,7 @@ keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import http.server
@@ -249,3 +250,21 @@ async def test_remote_images_follow_the_allow_list_and_the_byte_cap(gateway: Gat
         assert "not allowed" in other.json()["error"]["message"]
     finally:
         server.shutdown()
+
+
+async def test_the_same_image_twice_is_encoded_once_and_metrics_say_so(gateway: Gateway) -> None:
+    client = await gateway("colocated", **{"workers.prefill": 1, "workers.decode": 0})
+    body = _body(_data_url(GOOD))
+    first = await client.post("/v1/chat/completions", json=body)
+    second = await client.post("/v1/chat/completions", json=body)
+    text = first.json()["choices"][0]["message"]["content"]
+    assert second.json()["choices"][0]["message"]["content"] == text == _expected_text([GOOD])
+    wanted = ('baton_worker_images{source="encoded",', 'baton_worker_images{source="cached",')
+    wanted = tuple(f'{w}worker="mixed-0"}} 1.0' for w in wanted)
+    metrics = ""
+    for _ in range(200):  # telemetry arrives within ~100 ms of the finish
+        metrics = (await client.get("/metrics")).text
+        if all(w in metrics for w in wanted):
+            break
+        await asyncio.sleep(0.01)
+    assert all(w in metrics for w in wanted), [m for m in metrics.splitlines() if "images" in m]
