@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,10 +20,12 @@ import pytest
 import torch
 
 from services.engine.loader import load_model
+from services.engine.messages import SamplingParams
 from services.engine.placeholders import TINY_VL_IMAGE_PROMPT, expand_image_tokens
+from services.workers.messages import TokenDelta
 from tests.support.cluster import real_service, tiny_config
 from tests.support.server import ServedGateway
-from tests.unit.engine.llava_twin import png_bytes, random_image, tiny_vl_twin
+from tests.unit.engine.llava_twin import image_inputs, png_bytes, random_image, tiny_vl_twin
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -52,7 +55,8 @@ def colocated() -> Iterator[ServedGateway]:
 
 @pytest.fixture(scope="module")
 def nixl_1p1d(ray_cluster: str) -> Iterator[ServedGateway]:
-    with ServedGateway(real_service(_config(**{"kvtransfer.backend": "nixl"}), ray=True)) as s:
+    config = _config(**{"kvtransfer.backend": "nixl"})
+    with ServedGateway(real_service(config, ray=True, replace_dead=True)) as s:
         yield s
 
 
@@ -132,3 +136,44 @@ def test_six_image_requests_together_equal_transformers(
     got = asyncio.run(_chat_all(server.base_url))
     assert got == expected
     assert len(set(expected)) == len(CASES)  # the images and texts really steer the output
+
+
+def test_a_dead_decode_worker_mid_image_stream_gives_the_same_text(
+    nixl_1p1d: ServedGateway, expected: list[str]
+) -> None:
+    """The continuation re-prefills prompt, images and streamed tokens on a live worker."""
+    import ray
+
+    text, specs = CASES[1]  # two images
+    images = [random_image(*s) for s in specs]
+    tokenizer = nixl_1p1d.svc.tokenizer
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _content(text, [b""] * len(images))}]
+    )
+    spec = TINY_VL_IMAGE_PROMPT
+    prompt = expand_image_tokens(
+        tokenizer.encode(chat, add_special_tokens=False), spec.image_token_id, spec.num_image_tokens
+    )
+    inputs = image_inputs(prompt, images, spec.image_token_id, spec.num_image_tokens)
+    sampling = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[int], set[str]]:
+        tokens: list[int] = []
+        workers: set[str] = set()
+        killed = False
+        stream = nixl_1p1d.svc.generate(
+            "image-death", tuple(prompt), sampling, time.monotonic(), images=inputs
+        )
+        async for delta in stream:
+            assert isinstance(delta, TokenDelta)
+            tokens.extend(delta.token_ids)
+            workers.add(delta.worker_id)
+            if not killed and len(tokens) >= 8 and delta.worker_id.startswith("decode"):
+                client = nixl_1p1d.svc.controller.client(delta.worker_id)
+                ray.kill(client.actor, no_restart=True)  # type: ignore[union-attr]
+                killed = True
+        return tokens, workers
+
+    tokens, workers = nixl_1p1d.call(run(), timeout_s=180)
+    assert tokenizer.decode(tokens) == expected[1]
+    assert nixl_1p1d.svc.metrics.retries.labels("worker_died")._value.get() >= 1, workers
