@@ -194,6 +194,11 @@ class LLMEngine:
         self, scheduled: Sequence[ScheduledRequest], inputs: StepInputs
     ) -> torch.Tensor | None:
         """The step's input embeddings with images placed; None when no image is in it."""
+        for item in scheduled:
+            r = item.request
+            # An adopted request recomputing its prompt after a preemption: encode now.
+            if r.images and not r.image_embeds and r.num_computed_tokens < r.num_prompt_tokens:
+                r.image_embeds = self.images.resolve(r.images)
         pieces = image_embeds_for_step(scheduled)
         if not pieces:
             return None
@@ -339,6 +344,7 @@ class LLMEngine:
         self.images.validate(prompt, message.images)
         r = Request.from_message(message)
         if message.images:
+            r.images = message.images
             r.hash_token_ids = [
                 *image_hash_token_ids(prompt, _image_spans(message.images)),
                 *message.output_token_ids,

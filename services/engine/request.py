@@ -39,6 +39,8 @@ class Request:
     # whose placeholders then read as their content (services/engine/block_hash.py).
     hash_token_ids: list[int] = field(default_factory=list)
     image_embeds: list[Any] = field(default_factory=list)  # (offset, [n, hidden]) per image
+    images: tuple[Any, ...] = ()  # its ImageInputs: resolved on demand (an adopted one's
+    # KV arrived from elsewhere, so only a recompute after a preemption needs them)
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

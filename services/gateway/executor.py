@@ -247,10 +247,10 @@ class PlanExecutor:
                     yield delta
             if handle is None:
                 return  # the first token already finished the request
-            # The decoder pulls the prompt's KV: its images only name its blocks.
-            named = tuple(replace(i, data=None, embeddings=None) for i in images)
+            # The decoder pulls the prompt's KV; it encodes the images only if a
+            # preemption makes it recompute the prompt.
             request = EngineRequest(
-                request_id, prompt, sampling, output_token_ids=first_tokens, images=named
+                request_id, prompt, sampling, output_token_ids=first_tokens, images=images
             )
             started_s = time.monotonic()
             stream = self._stream(

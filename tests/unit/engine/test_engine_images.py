@@ -20,7 +20,7 @@ from services.engine.llava import LoadedVision
 from services.engine.loader import load_model
 from services.engine.messages import EngineRequest, ImageInput, InvalidRequestError
 from services.engine.placeholders import expand_image_tokens
-from tests.unit.engine.engine_helpers import greedy, make_engine, serve
+from tests.unit.engine.engine_helpers import greedy, make_engine, run_all, serve, tokens_of
 from tests.unit.engine.llava_twin import image_inputs, random_image, tiny_vl_twin
 
 NUM_NEW = 32
@@ -183,3 +183,30 @@ def test_a_text_model_refuses_images(
     )
     with pytest.raises(InvalidRequestError, match="does not take images"):
         engine.add_request(text_only)
+
+
+def test_an_adopted_image_request_recomputed_after_preemption_keeps_its_text(
+    cases: list[tuple[list[int], list[Image.Image], list[int]]],
+) -> None:
+    """KV pulled from a prefill engine; then the decode engine preempts the request and
+    recomputes its prompt, encoding its images only now (no prefix cache to hit)."""
+    prefill = make_engine("tiny-vl")
+    decode = make_engine("tiny-vl", enable_prefix_caching=False)
+    request = _requests(prefill, cases)[1]  # two images
+    prefill.add_request(dataclasses.replace(request, prefill_only=True))
+    last = run_all(prefill)[request.request_id][-1]
+    assert last.held_kv is not None
+    continued = dataclasses.replace(request, output_token_ids=last.new_token_ids)
+    local = decode.adopt(continued)
+    decode.kv[local] = prefill.kv[list(last.held_kv.block_ids)]  # what a pull would land
+    decode.start_adopted(request.request_id)
+    tokens = list(continued.output_token_ids)
+    for _ in range(5):
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+    assert decode.stats().num_images_encoded == 0  # the KV came with the images in it
+    r = decode.scheduler.running[0]
+    decode.scheduler.running.remove(r)
+    decode.scheduler._preempt(r)  # as when the pool runs short
+    tokens += tokens_of(run_all(decode)[request.request_id])
+    assert tokens == cases[1][2]
+    assert decode.stats().num_images_encoded == 2
