@@ -46,21 +46,21 @@ def _config(**overrides: Any) -> Any:
     return tiny_config(**{"model.name": MODEL, "engine.block_size": 4, **overrides})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one cluster at a time: the CI box has two cores
 def colocated() -> Iterator[ServedGateway]:
     config = _config(**{"workers.mode": "colocated", "workers.prefill": 1, "workers.decode": 0})
     with ServedGateway(real_service(config, ray=False)) as server:
         yield server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one cluster at a time: the CI box has two cores
 def nixl_1p1d(ray_cluster: str) -> Iterator[ServedGateway]:
     config = _config(**{"kvtransfer.backend": "nixl"})
     with ServedGateway(real_service(config, ray=True, replace_dead=True)) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one cluster at a time: the CI box has two cores
 def torch_1p1d(ray_cluster: str) -> Iterator[ServedGateway]:
     with ServedGateway(real_service(_config(**{"kvtransfer.backend": "torch"}), ray=True)) as s:
         yield s
