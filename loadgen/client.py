@@ -24,9 +24,10 @@ from typing import Any, Literal
 import httpx
 
 from loadgen.arrivals import RateSpec
+from loadgen.images import image_parts
 from loadgen.metrics import GoodputSLO, RequestRecord, compute_summary
 from loadgen.scenario import Tokenizer, WorkloadConfig, build_requests, synthetic_prompt
-from loadgen.workload import RequestSpec
+from loadgen.workload import RequestSpec, WorkloadError
 
 __all__ = ["BenchConfig", "BenchResult", "discover_model", "run_bench", "send_request"]
 
@@ -66,7 +67,10 @@ def _payload(
         "temperature": 0.0,
     }
     prompt = synthetic_prompt(spec, tokenizer)
-    if kind == "chat":
+    if kind == "chat" and spec.image_sides:
+        parts = [*image_parts(spec.request_id, spec.image_sides), {"type": "text", "text": prompt}]
+        body["messages"] = [{"role": "user", "content": parts}]
+    elif kind == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
@@ -181,6 +185,8 @@ async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 async def run_bench_async(config: BenchConfig, progress: Progress | None = None) -> BenchResult:
     specs = build_requests(config.workload, config.rate)
+    if config.endpoint != "chat" and any(s.image_sides for s in specs):
+        raise WorkloadError("image requests need the chat endpoint (--endpoint chat)")
     base = config.base_url.rstrip("/")
     url = f"{base}/v1/chat/completions" if config.endpoint == "chat" else f"{base}/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

@@ -53,6 +53,17 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape of gaps (1 = Poisson)"
     )
+    g.add_argument(
+        "--images-per-request",
+        default="0",
+        help="chat only: images per image request, N or a distribution (generated PNGs)",
+    )
+    g.add_argument(
+        "--image-size", default="336", help="pixels per side of each image: N or a distribution"
+    )
+    g.add_argument(
+        "--image-fraction", type=float, default=1.0, help="share of requests that carry images"
+    )
     n = g.add_mutually_exclusive_group()
     n.add_argument("--num-requests", type=int, default=200)
     n.add_argument("--duration", type=float, default=None, help="seconds of arrivals (with --rate)")
@@ -72,6 +83,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
     parse_length(args.input_len)  # fail early with the flag's own message
     parse_length(args.output_len)
+    if args.images_per_request.strip() != "0":
+        parse_length(args.images_per_request)
+        parse_length(args.image_size)
     return WorkloadConfig(
         input_len=args.input_len,
         output_len=args.output_len,
@@ -82,6 +96,9 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         think_time_s=args.think_time,
         burstiness=args.burstiness,
         seed=args.seed,
+        images_per_request=args.images_per_request,
+        image_size=args.image_size,
+        image_fraction=args.image_fraction,
     )
 
 

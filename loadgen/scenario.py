@@ -35,6 +35,9 @@ class WorkloadConfig:
     burstiness: float = 1.0
     seed: int = 0
     block_size: int = 16  # tokens per hash id for synthetic prompts
+    images_per_request: str = "0"  # a length spec (or 0): images with an image request
+    image_size: str = "336"  # a length spec: pixels per side of each (square) image
+    image_fraction: float = 1.0  # share of requests that carry images (the rest: text chat)
 
 
 def build_requests(cfg: WorkloadConfig, rate: RateSpec | None) -> list[RequestSpec]:
@@ -70,6 +73,7 @@ def _single_turn(
     inputs = parse_length(cfg.input_len).sample(rng, num)
     outputs = parse_length(cfg.output_len).sample(rng, num)
     times = arrival_times(rate, num, cfg.burstiness, rng) if rate else np.zeros(num)
+    sides = _image_sides(cfg, num, rng)
     return [
         RequestSpec(
             request_id=f"req-{i}",
@@ -78,8 +82,24 @@ def _single_turn(
             output_len=int(outputs[i]),
             hash_ids=_unique_ids(i, int(inputs[i]), cfg.block_size),
             hash_block_size=cfg.block_size,
+            image_sides=sides[i],
         )
         for i in range(num)
+    ]
+
+
+def _image_sides(cfg: WorkloadConfig, num: int, rng: np.random.Generator) -> list[tuple[int, ...]]:
+    """Per request, the side of each of its images (none unless images_per_request says so)."""
+    if cfg.images_per_request.strip() == "0":
+        return [()] * num
+    if not 0.0 <= cfg.image_fraction <= 1.0:
+        raise WorkloadError(f"image_fraction must be in [0, 1], got {cfg.image_fraction}")
+    counts = parse_length(cfg.images_per_request).sample(rng, num)
+    with_images = rng.random(num) < cfg.image_fraction
+    size = parse_length(cfg.image_size)
+    return [
+        tuple(int(s) for s in size.sample(rng, int(c))) if carries else ()
+        for c, carries in zip(counts, with_images)
     ]
 
 

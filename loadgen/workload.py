@@ -62,6 +62,7 @@ class RequestSpec:
     prompt: str | None = None
     session_id: int | None = None
     turn: int = 0
+    image_sides: tuple[int, ...] = ()  # square images (pixels per side) sent with a chat prompt
 
 
 class LengthDist(Protocol):

@@ -16,6 +16,7 @@ __all__ = [
     "ClusterConfig",
     "EngineConfig",
     "GatewayConfig",
+    "ImagesConfig",
     "KVTransferConfig",
     "ModelConfig",
     "RouterConfig",
@@ -125,6 +126,21 @@ class RouterConfig(_Section):
     rebalance_interval_s: float = Field(10.0, gt=0)
 
 
+class ImagesConfig(_Section):
+    """Bounds on images in chat requests (multimodal models); each breach is a 400."""
+
+    max_images_per_request: int = Field(8, ge=0)
+    max_image_bytes: int = Field(8 * 2**20, ge=1, description="per image, as sent (decoded base64)")
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1, description="width x height from the header, checked before decoding"
+    )
+    fetch_hosts: list[str] = Field(
+        default_factory=list,
+        description="hosts http(s) image URLs may name; empty: remote fetching is off",
+    )
+    fetch_timeout_s: float = Field(5.0, gt=0)
+
+
 class GatewayConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -169,6 +185,7 @@ class GatewayConfig(_Section):
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="split <think>...</think> into message.reasoning"
     )
+    images: ImagesConfig = ImagesConfig()
 
 
 class ClusterConfig(_Section):

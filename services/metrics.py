@@ -190,6 +190,13 @@ class BatonMetrics:
             ["worker"],
             registry=r,
         )
+        self.worker_images = Gauge(
+            "baton_worker_images",
+            "Images since the worker started, by how their embeddings came "
+            "(encoded, or cached: the encoder-output cache)",
+            ["worker", "source"],
+            registry=r,
+        )
         self.workers = Gauge(
             "baton_workers",
             "Workers by role and state (alive, dead)",

@@ -13,7 +13,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-__all__ = ["compute_block_hashes", "hash_block"]
+__all__ = ["compute_block_hashes", "hash_block", "image_hash_token_ids"]
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -35,3 +35,20 @@ def compute_block_hashes(
         parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+def image_hash_token_ids(
+    token_ids: Sequence[int], images: Sequence[tuple[int, int, str]]
+) -> list[int]:
+    """``token_ids`` with each image's placeholder run read as its content, for hashing.
+
+    ``images`` are ``(offset, num_tokens, content_hash hex)``. Every placeholder of an
+    image becomes the same negative number drawn from its hash (token ids are never
+    negative), so two prompts that differ only in an image never share a block name.
+    """
+    out = list(token_ids)
+    for offset, num_tokens, content_hash in images:
+        digest = hashlib.blake2b(content_hash.encode(), digest_size=8).digest()
+        value = -1 - (int.from_bytes(digest, "little") >> 2)  # fits a signed 64-bit pack
+        out[offset : offset + num_tokens] = [value] * num_tokens
+    return out

@@ -100,7 +100,8 @@ class ModelArgs:
 
 def _architecture(cfg: dict[str, Any]) -> str:
     archs = cfg.get("architectures") or []
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    # The loader reads LLaVA folders itself (services/engine/llava.py), then its text_config here.
+    supported = ", ".join((*SUPPORTED_ARCHITECTURES, "LlavaForConditionalGeneration"))
     if not archs:
         raise UnsupportedModelError(
             f"config.json names no architecture (model_type={cfg.get('model_type')!r}); "

@@ -19,6 +19,7 @@ import torch
 from kvtransfer.types import KVLayout
 from services.backends.protocol import AdmissionFeedback, AdmissionPolicy
 from services.config import EngineConfig
+from services.engine.block_hash import image_hash_token_ids
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.grammar import GrammarCompiler, apply_grammar_masks
 from services.engine.kv_cache import BlockManager, allocate_kv_pool
@@ -28,12 +29,14 @@ from services.engine.messages import (
     EngineStats,
     FinishReason,
     HeldKV,
+    ImageInput,
     InvalidRequestError,
     NoRoomError,
     RequestOutput,
     StepStats,
     TokenLogprob,
 )
+from services.engine.multimodal import EncoderCache, ImageResolver, image_embeds_for_step
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledRequest, Scheduler
@@ -44,6 +47,7 @@ __all__ = ["EngineModelInfo", "LLMEngine"]
 _NUM_RECENT_STEPS = 64
 _NUM_RECENT_OUTPUTS = 200
 _PREFIX_DIGEST_BLOCKS = 4096  # most recently cached block hashes in the telemetry digest
+_ENCODER_CACHE_ENTRIES = 256  # images whose embeddings are kept (multimodal models)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(loaded.tokenizer, args.vocab_size, eos)
         self.generator = torch.Generator(device=loaded.device).manual_seed(seed)
+        self.images = ImageResolver(loaded.vision, EncoderCache(_ENCODER_CACHE_ENTRIES))
         self._requests: dict[str, Request] = {}
         self._adopting: dict[str, Request] = {}
         self._recent_steps: deque[StepStats] = deque(maxlen=_NUM_RECENT_STEPS)
@@ -128,7 +133,7 @@ class LLMEngine:
             self.grammars.compile(request.sampling.structured)
 
     def add_request(self, request: EngineRequest) -> None:
-        self.scheduler.add(self._admit(request))
+        self.scheduler.add(self._admit(request, resolve_images=True))
 
     def adopt(self, request: EngineRequest) -> list[int]:
         """Allocate blocks for the prompt's KV, to be filled by a pull; see the protocol."""
@@ -173,7 +178,9 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         inputs = build_step_inputs(plan.scheduled, self.block_manager)
-        hidden = self.model.forward(inputs.batch, self.kv)
+        hidden = self.model.forward(
+            inputs.batch, self.kv, self._inputs_embeds(plan.scheduled, inputs)
+        )
         self._advance(plan.scheduled)
         token_ids, logprobs = self._sample(hidden, inputs)
         outputs = [
@@ -182,6 +189,23 @@ class LLMEngine:
         ]
         self._record_step(inputs, time.perf_counter() - start_s, time.monotonic())
         return outputs
+
+    def _inputs_embeds(
+        self, scheduled: Sequence[ScheduledRequest], inputs: StepInputs
+    ) -> torch.Tensor | None:
+        """The step's input embeddings with images placed; None when no image is in it."""
+        for item in scheduled:
+            r = item.request
+            # An adopted request recomputing its prompt after a preemption: encode now.
+            if r.images and not r.image_embeds and r.num_computed_tokens < r.num_prompt_tokens:
+                r.image_embeds = self.images.resolve(r.images)
+        pieces = image_embeds_for_step(scheduled)
+        if not pieces:
+            return None
+        embeds = self.model.embed(inputs.batch.input_ids)
+        for row, image_rows in pieces:
+            embeds[row : row + image_rows.shape[0]] = image_rows
+        return embeds
 
     def _advance(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """The scheduled tokens' KV is now in the pool: count it, name full blocks for reuse."""
@@ -194,7 +218,7 @@ class LLMEngine:
                 )
             r.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(
-                r.request_id, r.all_token_ids, r.num_computed_tokens
+                r.request_id, r.hash_token_ids, r.num_computed_tokens
             )
 
     def _sample(
@@ -281,8 +305,13 @@ class LLMEngine:
         )
 
     # -- validation -------------------------------------------------------------
-    def _admit(self, message: EngineRequest) -> Request:
-        """Validate a request (InvalidRequestError names the field) and start tracking it."""
+    def _admit(self, message: EngineRequest, *, resolve_images: bool = False) -> Request:
+        """Validate a request (InvalidRequestError names the field) and start tracking it.
+
+        ``resolve_images``: the request computes its prompt here, so its images'
+        embeddings are needed (given, cached or encoded now); an adopted one's KV
+        arrives from elsewhere and its images only name its blocks.
+        """
         if message.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {message.request_id!r}", "request_id")
         message.sampling.validate()
@@ -312,7 +341,16 @@ class LLMEngine:
             raise InvalidRequestError(
                 "max_tokens already reached by the given outputs", "max_tokens"
             )
+        self.images.validate(prompt, message.images)
         r = Request.from_message(message)
+        if message.images:
+            r.images = message.images
+            r.hash_token_ids = [
+                *image_hash_token_ids(prompt, _image_spans(message.images)),
+                *message.output_token_ids,
+            ]
+            if resolve_images:
+                r.image_embeds = self.images.resolve(message.images)
         if r.sampling.structured is not None:
             # Replaying the committed outputs puts the matcher where the last worker left it.
             r.grammar = self.grammars.matcher(r.sampling.structured, r.output_token_ids)
@@ -347,6 +385,8 @@ class LLMEngine:
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
             cached_block_hashes=bm.cached_hashes(_PREFIX_DIGEST_BLOCKS),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            num_images_encoded=self.images.num_images_encoded,
+            num_image_cache_hits=self.images.num_cache_hits,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -360,3 +400,7 @@ def _grammar_ends(matcher: Any, token_id: int) -> bool:
     """Advance the request's grammar; True once it is complete (or cannot go on)."""
     # The mask only lets allowed tokens through, so a refusal means every token was masked.
     return not matcher.accept_token(token_id) or bool(matcher.is_terminated())
+
+
+def _image_spans(images: Sequence[ImageInput]) -> list[tuple[int, int, str]]:
+    return [(i.offset, i.num_tokens, i.content_hash) for i in images]

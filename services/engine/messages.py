@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvtransfer.types import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "EngineError",
@@ -15,6 +18,7 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "HeldKV",
+    "ImageInput",
     "InvalidRequestError",
     "ModelLoadError",
     "NoRoomError",
@@ -157,6 +161,25 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a request: where its placeholders sit, and its data or its embeddings.
+
+    ``offset`` is the prompt position of its first placeholder token and ``num_tokens``
+    the run's length. ``content_hash`` names the image's bytes (hex): the encoder-output
+    cache and the prefix cache key on it. With ``data`` (the encoded file: PNG, JPEG,
+    WebP) the engine encodes the image; with ``embeddings`` (``[num_tokens, hidden]``,
+    from an encode worker) it places them as they are. A request whose KV arrives from
+    elsewhere (adopt) may carry neither: it only needs the hash.
+    """
+
+    content_hash: str
+    offset: int
+    num_tokens: int
+    data: bytes | None = None
+    embeddings: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A request as the engine sees it.
 
@@ -174,6 +197,7 @@ class EngineRequest:
     # Engines that move their own KV (``moves_own_kv``, vLLM): the prefill worker's
     # transfer parameters; the engine pulls the prompt's KV itself and continues.
     remote_kv: Mapping[str, Any] | None = None
+    images: tuple[ImageInput, ...] = ()  # in prompt order
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +273,8 @@ class EngineStats:
     # recently cached last: the router's prefix digest of this engine.
     cached_block_hashes: tuple[int, ...] = ()
     max_num_batched_tokens: int = 0  # the step's token budget; 0: unknown
+    num_images_encoded: int = 0  # cumulative: images this engine ran its encoder on
+    num_image_cache_hits: int = 0  # cumulative: images served from the encoder-output cache
 
     @property
     def num_used_blocks(self) -> int:

@@ -197,11 +197,20 @@ class CausalLM(nn.Module):
         return unfuse_checkpoint(self.state_dict(), self.args)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] input embeddings (a multimodal caller then places images)."""
+        weight = self.model.embed_tokens.weight
+        return F.embedding(input_ids.to(weight.device), weight)
+
+    @torch.no_grad()
+    def forward(
+        self, batch: ForwardBatch, kv: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's new tokens; writes their K/V into ``kv``.
 
         ``kv`` is the pool ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``
-        in the model's dtype and device.
+        in the model's dtype and device. ``inputs_embeds`` ([T, hidden]) replaces the
+        embeddings of ``batch.input_ids`` (image embeddings at image positions).
         """
         device = self.model.embed_tokens.weight.device
         pool = PoolView.of(kv)
@@ -213,7 +222,10 @@ class CausalLM(nn.Module):
             device=device,
             dtype=self.model.embed_tokens.weight.dtype,
         )
-        x = F.embedding(batch.input_ids.to(device), self.model.embed_tokens.weight)
+        if inputs_embeds is None:
+            x = F.embedding(batch.input_ids.to(device), self.model.embed_tokens.weight)
+        else:
+            x = inputs_embeds
         positions = batch.positions.to(device)
         cos_sin = self.rotary.cos_sin(positions, max(batch.context_lens) - 1, x.dtype)
         for layer in self.model.layers:

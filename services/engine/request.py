@@ -35,13 +35,22 @@ class Request:
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
     grammar: Any = None  # xgrammar.GrammarMatcher for a constrained request, set by the engine
     all_token_ids: list[int] = field(default_factory=list)  # prompt + outputs, kept in step
+    # What the prefix cache hashes: all_token_ids itself, unless the prompt has images,
+    # whose placeholders then read as their content (services/engine/block_hash.py).
+    hash_token_ids: list[int] = field(default_factory=list)
+    image_embeds: list[Any] = field(default_factory=list)  # (offset, [n, hidden]) per image
+    images: tuple[Any, ...] = ()  # its ImageInputs: resolved on demand (an adopted one's
+    # KV arrived from elsewhere, so only a recompute after a preemption needs them)
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        self.hash_token_ids = self.all_token_ids
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.hash_token_ids is not self.all_token_ids:
+            self.hash_token_ids.append(token_id)
 
     @classmethod
     def from_message(cls, message: EngineRequest) -> Request:

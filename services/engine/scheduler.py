@@ -150,7 +150,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            token_ids = request.all_token_ids
+            token_ids = request.hash_token_ids
             num_hit_tokens = len(bm.find_cached_prefix(token_ids)) * bm.block_size
             num_to_compute = request.num_tokens - num_hit_tokens
             num_new = min(num_to_compute, budget)

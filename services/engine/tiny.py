@@ -15,7 +15,7 @@ from services.engine.config import ModelArgs
 from services.engine.model import CausalLM
 from services.engine.tokenizer import ByteTokenizer
 
-__all__ = ["TINY_ARGS", "TINY_NAME", "build_tiny_model", "tiny_hf_config"]
+__all__ = ["TINY_ARGS", "TINY_NAME", "build_tiny_model", "init_random", "tiny_hf_config"]
 
 TINY_NAME = "tiny"
 
@@ -46,18 +46,26 @@ _INIT_STD = 0.1  # larger than a trained model's 0.02, so greedy text is not one
 
 
 def build_tiny_model(
-    seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    args: ModelArgs = TINY_ARGS,
 ) -> CausalLM:
     """Weights are drawn on the CPU in float32 in parameter-name order, then cast and moved."""
+    model = CausalLM(args)
+    init_random(model, seed)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def init_random(module: torch.nn.Module, seed: int) -> None:
+    """Norm weights 1 and norm biases 0; every other tensor N(0, 0.1), drawn in name order."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    model = CausalLM(TINY_ARGS)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
+        for name, param in sorted(module.named_parameters()):
+            if "norm" in name.rsplit(".", 2)[-2]:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * _INIT_STD)
-    return model.to(device=device, dtype=dtype).eval()
 
 
 def tiny_hf_config() -> Any:

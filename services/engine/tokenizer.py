@@ -44,8 +44,9 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0-255, then the special tokens below."""
 
-    SPECIALS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+    SPECIALS: tuple[str, ...] = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
     BOS, EOS, IM_START, IM_END, PAD = range(256, 256 + len(SPECIALS))
+    IMAGE_PLACEHOLDER = ""  # what an image content part renders as in the chat template
 
     def __init__(self) -> None:
         self._special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
@@ -99,7 +100,7 @@ class ByteTokenizer:
             listed = "\n".join(json.dumps(t, separators=(",", ":")) for t in tools)
             text = f"<|im_start|>system\n<tools>\n{listed}\n</tools><|im_end|>\n"
         for m in messages:
-            body = _content_text(m.get("content"))
+            body = _content_text(m.get("content"), self.IMAGE_PLACEHOLDER)
             for call in m.get("tool_calls") or ():
                 fn = call.get("function", {})
                 payload = {"name": fn.get("name"), "arguments": fn.get("arguments")}
@@ -108,15 +109,23 @@ class ByteTokenizer:
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def _content_text(content: Any) -> str:
-    # OpenAI content is a string or a list of parts; the byte model reads only text parts.
+def _content_text(content: Any, image_placeholder: str = "") -> str:
+    # OpenAI content is a string or a list of parts: text parts, and image parts that a
+    # multimodal byte model marks with its placeholder (a text model drops them).
     match content:
         case None:
             return ""
         case str():
             return content
         case list():
-            return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            return "".join(
+                p.get("text", "")
+                if p.get("type") == "text"
+                else image_placeholder
+                if p.get("type") in ("image", "image_url")
+                else ""
+                for p in content
+            )
         case _:
             raise InvalidRequestError(f"unsupported message content {type(content).__name__}")
 

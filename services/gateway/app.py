@@ -32,6 +32,7 @@ from services.gateway.errors import (
     PayloadTooLarge,
 )
 from services.gateway.fields import check_fields
+from services.gateway.images import chat_prompt
 from services.gateway.prepare import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.respond import respond
@@ -113,12 +114,16 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
         check_fields(body)
         ready()
         check_bounds(body, svc.settings.gateway, svc.tokenizer.vocab_size)
-        if body.has_images():
-            raise BadRequest("this model does not accept images", "messages")
-        prompt = await _off_loop_if_large(
-            request, chat_prompt_ids, svc.tokenizer, body.chat_messages(), body.template_tools()
-        )
-        gen = prepare_chat(svc, body, prompt)
+        if body.image_urls():
+            prompt, images = await chat_prompt(
+                body, svc.tokenizer, svc.image_spec, svc.settings.gateway.images
+            )
+        else:
+            prompt = await _off_loop_if_large(
+                request, chat_prompt_ids, svc.tokenizer, body.chat_messages(), body.template_tools()
+            )
+            images = ()
+        gen = prepare_chat(svc, body, prompt, images)
         return await gate.run(request, gen, lambda on_finish: respond(svc, gen, request, on_finish))
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])

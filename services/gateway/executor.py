@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 
 from router.front_door import Hold, Router
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
-from services.engine.block_hash import compute_block_hashes
+from services.engine.block_hash import compute_block_hashes, image_hash_token_ids
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+from services.engine.messages import EngineRequest, FinishReason, ImageInput, SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.gateway.errors import BadRequest, Overloaded, ServiceFailure
 from services.metrics import BatonMetrics
@@ -103,6 +103,7 @@ class PlanExecutor:
         *,
         slo: SLO | None = None,
         priority: Priority = Priority.INTERACTIVE,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one has ``finish_reason``; re-plan on failures."""
         profile = RequestProfile(
@@ -111,7 +112,7 @@ class PlanExecutor:
             num_new_tokens=len(prompt_token_ids),
             max_tokens=sampling.max_tokens,
             slo=slo or SLO(),
-            prefix_hashes=self._prefix_hashes(prompt_token_ids),
+            prefix_hashes=self._prefix_hashes(prompt_token_ids, images),
             priority=priority,
             arrival_s=arrival_s,
         )
@@ -122,7 +123,7 @@ class PlanExecutor:
             include_stop_str_in_output=sampling.include_stop_str_in_output,
         )
         generated: list[int] = []
-        attempts = self._attempts(profile, prompt_token_ids, sampling, detokenizer)
+        attempts = self._attempts(profile, prompt_token_ids, sampling, images, detokenizer)
         try:
             async with _closing(attempts):
                 async for delta in attempts:
@@ -138,6 +139,7 @@ class PlanExecutor:
         profile: RequestProfile,
         prompt_token_ids: tuple[int, ...],
         sampling: SamplingParams,
+        images: tuple[ImageInput, ...],
         detokenizer: IncrementalDetokenizer,
     ) -> AsyncGenerator[TokenDelta, None]:
         """Place and run the request, placing it again (at most ``max_attempts`` times)
@@ -151,7 +153,7 @@ class PlanExecutor:
             if attempt == 0:
                 self._metrics.stage_s.labels("queue").observe(time.monotonic() - profile.arrival_s)
             stream = self._execute(
-                plan, request_id, attempt_id, prompt_token_ids, tuple(generated), sampling
+                plan, request_id, attempt_id, prompt_token_ids, tuple(generated), sampling, images
             )
             try:
                 async with _closing(stream):  # closing aborts what is unfinished
@@ -171,12 +173,15 @@ class PlanExecutor:
             self._metrics.retries.labels(reason).inc()
         raise ServiceFailure(f"request failed on {self._config.max_attempts} placements; giving up")
 
-    def _prefix_hashes(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    def _prefix_hashes(
+        self, prompt: tuple[int, ...], images: tuple[ImageInput, ...]
+    ) -> tuple[int, ...]:
         """The prompt's full blocks named as the workers name their cached blocks."""
         block_size = self._router.block_size()
         if block_size is None:
             return ()
-        return tuple(compute_block_hashes(prompt, block_size))
+        spans = [(i.offset, i.num_tokens, i.content_hash) for i in images]
+        return tuple(compute_block_hashes(image_hash_token_ids(prompt, spans), block_size))
 
     # -- placement ----------------------------------------------------------------------
     async def _place(self, profile: RequestProfile, *, replaced: bool = False) -> Plan:
@@ -224,6 +229,7 @@ class PlanExecutor:
         prompt: tuple[int, ...],
         generated: tuple[int, ...],
         sampling: SamplingParams,
+        images: tuple[ImageInput, ...],
     ) -> AsyncGenerator[TokenDelta, None]:
         """Run one placement; ``placed_id`` names its reservation in the router,
         ``request_id`` the request on the workers (attempts differ)."""
@@ -232,7 +238,9 @@ class PlanExecutor:
             worker_id = plan.decode_worker if generated and plan.decode_worker else None
             worker_id = worker_id or plan.prefill_worker
             _unreserve(self._router, placed_id, plan, keep=worker_id)
-            request = EngineRequest(request_id, prompt, sampling, output_token_ids=generated)
+            request = EngineRequest(
+                request_id, prompt, sampling, output_token_ids=generated, images=images
+            )
             stream = self._stream(worker_id, Generate(request), placed_id, prefill=True)
             async with _closing(stream) as s:
                 async for delta in s:
@@ -240,7 +248,7 @@ class PlanExecutor:
             return
         assert plan.decode_worker is not None
         disaggregated = self._disaggregated(
-            plan.prefill_worker, plan.decode_worker, placed_id, request_id, prompt, sampling
+            plan.prefill_worker, plan.decode_worker, placed_id, request_id, prompt, sampling, images
         )
         async with _closing(disaggregated) as s:
             async for delta in s:
@@ -254,12 +262,13 @@ class PlanExecutor:
         request_id: str,
         prompt: tuple[int, ...],
         sampling: SamplingParams,
+        images: tuple[ImageInput, ...],
     ) -> AsyncGenerator[TokenDelta, None]:
         completed = False
         try:
             handle = None
             first_tokens: tuple[int, ...] = ()
-            request = EngineRequest(request_id, prompt, sampling, prefill_only=True)
+            request = EngineRequest(request_id, prompt, sampling, prefill_only=True, images=images)
             prefill = self._stream(prefill_id, Generate(request), placed_id, prefill=True)
             async with _closing(prefill) as s:
                 async for delta in s:
@@ -271,7 +280,11 @@ class PlanExecutor:
                     yield delta
             if handle is None:
                 return  # the first token already finished the request
-            request = EngineRequest(request_id, prompt, sampling, output_token_ids=first_tokens)
+            # The decoder pulls the prompt's KV; it encodes the images only if a
+            # preemption makes it recompute the prompt.
+            request = EngineRequest(
+                request_id, prompt, sampling, output_token_ids=first_tokens, images=images
+            )
             started_s = time.monotonic()
             job = Continue(request, handle)
             stream = self._stream(decode_id, job, placed_id, prefill=False, pulled_from=prefill_id)

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from router.types import SLO, Priority
-from services.engine.messages import InvalidRequestError, SamplingParams, StructuredOutput
+from services.engine.messages import (
+    ImageInput,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
 from services.gateway.errors import BadRequest
 from services.gateway.fields import logit_bias, structured_output
 from services.gateway.openai_format import Endpoint, Formatter
@@ -47,6 +52,7 @@ class Generation:
     shape: ShapeSpec = field(default_factory=ShapeSpec)  # chat: reasoning, tool calls
     slo: SLO = field(default_factory=SLO)  # as asked; the service fills in the defaults
     priority: Priority = Priority.INTERACTIVE
+    images: tuple[ImageInput, ...] = ()  # a chat prompt's images, at its placeholders
 
 
 def _sampling(
@@ -168,7 +174,10 @@ def _slo(body: ChatCompletionRequest | CompletionRequest) -> SLO:
 
 
 def prepare_chat(
-    svc: GatewayService, body: ChatCompletionRequest, prompt: tuple[int, ...]
+    svc: GatewayService,
+    body: ChatCompletionRequest,
+    prompt: tuple[int, ...],
+    images: tuple[ImageInput, ...] = (),
 ) -> Generation:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -181,7 +190,8 @@ def prepare_chat(
         body.include_reasoning,
         hf_tokenizer=getattr(svc.tokenizer, "hf_tokenizer", None),
     )
-    return _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages", tools, shape)
+    gen = _generation(svc, "chat", body, [prompt], max_tokens, logprobs, "messages", tools, shape)
+    return replace(gen, images=images)
 
 
 def prepare_completion(

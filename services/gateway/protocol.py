@@ -203,12 +203,20 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     include_reasoning: bool = True
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for a chat template (text parts joined)."""
+    def chat_messages(self, keep_images: bool = False) -> list[dict[str, Any]]:
+        """Messages as plain dicts for a chat template (text parts joined; with
+        ``keep_images``, parts as the multimodal templates take them: ``{"type": "image"}``)."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
-            content = m.content
-            if isinstance(content, list):
+            content: Any = m.content
+            if isinstance(content, list) and keep_images:
+                content = [
+                    {"type": "image"}
+                    if p.type == "image_url"
+                    else {"type": "text", "text": p.text or ""}
+                    for p in content
+                ]
+            elif isinstance(content, list):
                 content = "".join(p.text or "" for p in content if p.type != "image_url")
             message: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.tool_calls:
@@ -235,10 +243,17 @@ class ChatCompletionRequest(_Sampling):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def has_images(self) -> bool:
-        return any(
-            isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
-            for m in self.messages
-        )
+        return bool(self.image_urls())
+
+    def image_urls(self) -> list[tuple[str, str]]:
+        """``(param, url)`` of every image part, in order (param: ``messages[i].content[j]``)."""
+        return [
+            (f"messages[{i}].content[{j}]", p.image_url.url if p.image_url else "")
+            for i, m in enumerate(self.messages)
+            if isinstance(m.content, list)
+            for j, p in enumerate(m.content)
+            if p.type == "image_url"
+        ]
 
 
 def _arguments(call: ToolCall) -> Any:

@@ -106,6 +106,7 @@ async def _events(
             arrival_s,
             slo=gen.slo,
             priority=gen.priority,
+            images=gen.images,
         )
         for c in gen.choices
     ]

@@ -26,7 +26,8 @@ from router.types import SLO, Priority, Role
 from services.cluster.controller import Controller, ControllerConfig, Launcher
 from services.cluster.rebalance import Rebalancer
 from services.config import GatewayConfig, ModelConfig, RouterConfig
-from services.engine.messages import SamplingParams
+from services.engine.messages import ImageInput, SamplingParams
+from services.engine.placeholders import read_image_prompt_spec
 from services.gateway.deadline import until_deadline
 from services.gateway.executor import ExecutorConfig, PlanExecutor
 from services.gateway.tokens import Tokenizer
@@ -85,6 +86,7 @@ class GatewayService:
         ``launch`` unused); role flips are then the control plane's, not this gateway's."""
         self.settings = settings
         self.tokenizer = tokenizer
+        self.image_spec = read_image_prompt_spec(settings.model.name)  # None: text only
         self.metrics = metrics or BatonMetrics()
         self.router = make_router(settings.router)
         self._max_model_lens: dict[str, int] = {}
@@ -182,6 +184,7 @@ class GatewayService:
         *,
         slo: SLO | None = None,
         priority: Priority = Priority.INTERACTIVE,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[TokenDelta]:
         """Run one request; targets ``slo`` leaves out are ``router.default_slo``'s."""
         stream = self.executor.run(
@@ -191,6 +194,7 @@ class GatewayService:
             arrival_s,
             slo=self.request_slo(slo or SLO()),
             priority=priority,
+            images=images,
         )
         timeout_s = self.settings.gateway.request_timeout_s
         return until_deadline(stream, arrival_s + timeout_s, timeout_s)
@@ -219,6 +223,9 @@ class GatewayService:
         m.worker_requests.labels(wid, role, "running").set(len(s.running))
         m.worker_requests.labels(wid, role, "waiting").set(len(s.waiting_prompt_lens))
         m.worker_preemptions.labels(wid).set(s.num_preemptions)
+        if s.num_images_encoded or s.num_image_cache_hits:
+            m.worker_images.labels(wid, "encoded").set(s.num_images_encoded)
+            m.worker_images.labels(wid, "cached").set(s.num_image_cache_hits)
         self._count_workers()
 
     def _on_worker_down(self, worker_id: str, role: Role) -> None:

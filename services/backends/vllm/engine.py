@@ -160,6 +160,9 @@ class VllmEngine:
         """Queue ``request``; with ``request.remote_kv`` (a prefill worker's handle
         payload) it continues a request whose prompt KV vLLM's connector pulls."""
         request.sampling.validate()
+        if request.images:
+            # Not wired to vLLM's multimodal inputs yet: refuse rather than ignore them.
+            raise InvalidRequestError("the vllm backend does not take images yet", "messages")
         remote_kv = request.remote_kv
         prior = request.output_token_ids
         if remote_kv is not None and not prior:

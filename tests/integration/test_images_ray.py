@@ -1,0 +1,179 @@
+"""Image requests through real Ray workers: six served together equal transformers' generate.
+
+tiny-vl, 32 greedy tokens each, colocated (in-process) and prefill/decode disaggregated
+over ``nixl`` and over ``torch``: the prefill worker encodes the images (encode
+colocated with prefill; dedicated encode workers are not built yet), the decode worker
+pulls the prompt's KV. The oracle is ``transformers``' LlavaForConditionalGeneration
+holding the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from services.engine.loader import load_model
+from services.engine.messages import SamplingParams
+from services.engine.placeholders import TINY_VL_IMAGE_PROMPT, expand_image_tokens
+from services.workers.messages import TokenDelta
+from tests.support.cluster import real_service, tiny_config
+from tests.support.server import ServedGateway
+from tests.unit.engine.llava_twin import image_inputs, png_bytes, random_image, tiny_vl_twin
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODEL = "tiny-vl"
+NUM_NEW = 32
+# (text, images as (seed, width, height)): one, two or no images, sizes that resize and crop
+CASES = [
+    ("what is in this picture?", [(1, 48, 40)]),
+    ("compare", [(2, 30, 56), (3, 64, 64)]),
+    ("no image here, just words", []),
+    ("a", [(4, 32, 32)]),
+    ("describe both, briefly please", [(5, 100, 20), (6, 33, 47)]),
+    ("and this one", [(7, 40, 40)]),
+]
+
+
+def _config(**overrides: Any) -> Any:
+    return tiny_config(**{"model.name": MODEL, "engine.block_size": 4, **overrides})
+
+
+@pytest.fixture  # one cluster at a time: the CI box has two cores
+def colocated() -> Iterator[ServedGateway]:
+    config = _config(**{"workers.mode": "colocated", "workers.prefill": 1, "workers.decode": 0})
+    with ServedGateway(real_service(config, ray=False)) as server:
+        yield server
+
+
+@pytest.fixture  # one cluster at a time: the CI box has two cores
+def nixl_1p1d(ray_cluster: str) -> Iterator[ServedGateway]:
+    config = _config(**{"kvtransfer.backend": "nixl"})
+    with ServedGateway(real_service(config, ray=True, replace_dead=True)) as s:
+        yield s
+
+
+@pytest.fixture  # one cluster at a time: the CI box has two cores
+def torch_1p1d(ray_cluster: str) -> Iterator[ServedGateway]:
+    with ServedGateway(real_service(_config(**{"kvtransfer.backend": "torch"}), ray=True)) as s:
+        yield s
+
+
+def _content(text: str, pngs: list[bytes]) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(p)}"}}
+        for p in pngs
+    ]
+    return [*parts, {"type": "text", "text": text}]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[str]:
+    """transformers' 32 greedy tokens per case, as text."""
+    loaded = load_model(MODEL)
+    assert loaded.vision is not None
+    twin = tiny_vl_twin(loaded)
+    twin.generation_config.eos_token_id = None  # exactly NUM_NEW tokens, as ignore_eos
+    spec = TINY_VL_IMAGE_PROMPT
+    texts = []
+    for text, specs in CASES:
+        images = [random_image(*s) for s in specs]
+        chat = loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": _content(text, [b""] * len(images))}]
+        )
+        raw = loaded.tokenizer.encode(chat, add_special_tokens=False)
+        prompt = expand_image_tokens(raw, spec.image_token_id, spec.num_image_tokens)
+        extra = {"pixel_values": loaded.vision.processor.preprocess(images)} if images else {}
+        with torch.no_grad():
+            out = twin.generate(
+                input_ids=torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                max_new_tokens=NUM_NEW,
+                do_sample=False,
+                pad_token_id=0,
+                **extra,
+            )
+        texts.append(loaded.tokenizer.decode(out[0, len(prompt) :].tolist()))
+    return texts
+
+
+async def _chat_all(base_url: str) -> list[str]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+
+        async def one(text: str, specs: list[tuple[int, int, int]]) -> str:
+            pngs = [png_bytes(random_image(*s)) for s in specs]
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": _content(text, pngs)}],
+                "max_completion_tokens": NUM_NEW,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            content: str = r.json()["choices"][0]["message"]["content"]
+            return content
+
+        return await asyncio.gather(*(one(t, s) for t, s in CASES))
+
+
+@pytest.mark.parametrize("serving", ["colocated", "nixl_1p1d", "torch_1p1d"])
+def test_six_image_requests_together_equal_transformers(
+    serving: str, expected: list[str], request: pytest.FixtureRequest
+) -> None:
+    server: ServedGateway = request.getfixturevalue(serving)
+    got = asyncio.run(_chat_all(server.base_url))
+    assert got == expected
+    assert len(set(expected)) == len(CASES)  # the images and texts really steer the output
+
+
+def test_a_dead_decode_worker_mid_image_stream_gives_the_same_text(
+    nixl_1p1d: ServedGateway, expected: list[str]
+) -> None:
+    """The continuation re-prefills prompt, images and streamed tokens on a live worker."""
+    import ray
+
+    text, specs = CASES[1]  # two images
+    images = [random_image(*s) for s in specs]
+    tokenizer = nixl_1p1d.svc.tokenizer
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _content(text, [b""] * len(images))}]
+    )
+    spec = TINY_VL_IMAGE_PROMPT
+    prompt = expand_image_tokens(
+        tokenizer.encode(chat, add_special_tokens=False), spec.image_token_id, spec.num_image_tokens
+    )
+    inputs = image_inputs(prompt, images, spec.image_token_id, spec.num_image_tokens)
+    sampling = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[int], set[str]]:
+        tokens: list[int] = []
+        workers: set[str] = set()
+        killed = False
+        stream = nixl_1p1d.svc.generate(
+            "image-death", tuple(prompt), sampling, time.monotonic(), images=inputs
+        )
+        async for delta in stream:
+            assert isinstance(delta, TokenDelta)
+            tokens.extend(delta.token_ids)
+            workers.add(delta.worker_id)
+            if not killed and len(tokens) >= 8 and delta.worker_id.startswith("decode"):
+                client = nixl_1p1d.svc.controller.client(delta.worker_id)
+                ray.kill(client.actor, no_restart=True)  # type: ignore[union-attr]
+                killed = True
+        return tokens, workers
+
+    tokens, workers = nixl_1p1d.call(run(), timeout_s=180)
+    assert tokenizer.decode(tokens) == expected[1]
+    assert nixl_1p1d.svc.metrics.retries.labels("worker_died")._value.get() >= 1, workers
