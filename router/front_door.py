@@ -60,6 +60,9 @@ __all__ = ["Hold", "Router", "RouterSettings", "WorkerReport"]
 
 _OUTPUT_HISTORY = 256
 _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes prefill by
+# A link's figures reach the view only when they moved this much: each transfer nudges
+# the fit, and rebuilding both ends' rows for every nudge would double the view's work.
+_LINK_TOLERANCE = 0.05
 _DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
 
 
@@ -193,6 +196,7 @@ class Router:
         self._index: dict[str, int] = {}
         self._stale: set[str] = set()  # workers whose view must be rebuilt
         self._links: dict[str, LinkFit] = {}
+        self._published_links: dict[str, TransferCoeffs] = {}  # what the view shows
         self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
 
@@ -225,6 +229,7 @@ class Router:
         for request_id in self._by_worker.pop(worker_id, set()):
             self._drop_reservation(request_id)
         self._links.pop(worker_id, None)
+        self._published_links.pop(worker_id, None)
 
     def is_alive(self, worker_id: str) -> bool:
         return worker_id in self._workers
@@ -307,8 +312,11 @@ class Router:
             fit = self._links.get(wid)
             if fit is None:
                 fit = self._links[wid] = LinkFit(seed)
-            fit.observe(num_bytes, duration_s)
-            self._invalidate(wid)
+            estimate = fit.observe(num_bytes, duration_s)
+            shown = self._published_links.get(wid)
+            if shown is None or _moved(shown, estimate):
+                self._published_links[wid] = estimate
+                self._invalidate(wid)
 
     def link(self, worker_id: str) -> TransferCoeffs:
         """The worker's link as measured (the profile's until a transfer is seen)."""
@@ -402,8 +410,7 @@ class Router:
             queued_requests[cls] += 1
         running = list(s.running)
         num_free_blocks = s.num_free_blocks
-        fit = self._links.get(wid)
-        link = fit.estimate if fit is not None else None
+        link = self._published_links.get(wid)
         reserved = self._by_worker.get(wid, ())
         for rid in reserved:
             r = self._reservations[rid]
@@ -440,3 +447,10 @@ def _touched(plan: Plan) -> tuple[str, ...]:
     return (
         (plan.prefill_worker,) if decode == plan.prefill_worker else (plan.prefill_worker, decode)
     )
+
+
+def _moved(shown: TransferCoeffs, now: TransferCoeffs) -> bool:
+    bw, lat = shown.bandwidth_bytes_per_s, shown.latency_s
+    return abs(now.bandwidth_bytes_per_s - bw) > _LINK_TOLERANCE * bw or abs(
+        now.latency_s - lat
+    ) > _LINK_TOLERANCE * max(lat, 1e-4)

@@ -192,8 +192,8 @@ def test_links_are_priced_from_measured_transfers_and_mixed_workers_by_their_bud
         r.observe_transfer("p", "d", int(num_bytes), 0.002 + num_bytes / 1e9)
     p, d = r.view().workers
     for w in (p, d):
-        assert w.link_bandwidth_bytes_per_s == pytest.approx(1e9)
-        assert w.link_latency_s == pytest.approx(0.002)
+        assert w.link_bandwidth_bytes_per_s == pytest.approx(1e9, rel=0.05)  # shown
+        assert w.link_latency_s == pytest.approx(0.002, rel=0.05)  # once moved 5 %
     assert r.link("d").latency_s != seed.latency_s
     mixed = replace(snapshot("m", Role.MIXED), prefill_budget_tokens=512)
     r.update(mixed)
