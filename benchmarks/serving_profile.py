@@ -22,12 +22,17 @@ Each non-idle sample is charged to the most specific stage found on its stack:
     engine.model        the forward pass (torch ops run under these frames)
     engine.sample       logits, grammar masks, sampling
     engine.output       appending tokens, finishing requests, stats
-    event_loop          asyncio's own bookkeeping
+    engine.detokenize   (older trees only: the engine's own detokenizer)
+    event_loop          asyncio's own bookkeeping (polling included)
+    threadpool          executor threads running native code (Ray's, ``to_thread``)
 
-A thread blocked in a wait (selector, condition, queue) is idle and not counted. Each
-process's shares are scaled to its measured CPU seconds, so the figures add up to
-the run's CPU time (the load client's process is reported apart). A thread waiting
-for the GIL is charged where it waits: shares are estimates, the totals are not.
+Each Python thread's CPU time (its own clock, read at every sample) is charged to
+the stage its stack shows at that sample, so a waiting thread costs nothing and the
+stages add up to the CPU the threads used. Threads without Python frames (torch's
+OpenMP workers, Ray's core threads) are reported by name (``native:<name>``) from
+/proc. The load client's process is reported apart. A thread that spins waiting for
+the GIL is charged where it waits; and a stage is known only at sample times, so
+shares are estimates (the finer ``--interval-ms``, the better), the totals are not.
 Prints one JSON object.
 """
 
@@ -58,6 +63,7 @@ _ATTENTION_INPUTS = {"build", "_build_group", "_additive_mask", "_gather_rows", 
 # any frame of a stack names its stage, so more specific rules come first.
 RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
     ("/services/gateway/detokenizer.py", None, "gateway.detokenize"),
+    ("/services/engine/detokenizer.py", None, "engine.detokenize"),  # before issue 15
     ("/services/engine/sampler.py", None, "engine.sample"),
     ("/services/engine/grammar.py", None, "engine.sample"),
     ("/services/engine/engine.py", frozenset({"_sample"}), "engine.sample"),
@@ -76,6 +82,9 @@ RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
     ("/services/workers/telemetry.py", None, "worker.loop"),
     ("/services/workers/", None, "transport"),
     ("/ray/", None, "transport"),
+    # A thread waking an event loop: Ray completing an awaited object, a worker's events
+    ("/asyncio/selector_events.py", frozenset({"_write_to_self"}), "transport"),
+    ("/concurrent/futures/thread.py", None, "threadpool"),  # Ray's executors, to_thread
     ("/services/gateway/executor.py", None, "gateway.executor"),
     ("/services/gateway/state.py", None, "gateway.executor"),
     ("/router/", None, "gateway.executor"),
@@ -95,20 +104,10 @@ RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
     ("/pydantic/", None, "gateway.http"),
     ("/asyncio/", None, "event_loop"),
 )
-# The innermost frame of a thread that is waiting, not working.
-IDLE = {
-    ("selectors.py", "select"),
-    ("threading.py", "wait"),
-    ("queue.py", "get"),
-    ("base_events.py", "_run_once"),  # inside select(); the selector frame may be C
-}
 
 
-def classify(frame: FrameType) -> str | None:
-    """The stage a sampled stack belongs to, or None if the thread is idle."""
-    code = frame.f_code
-    if (os.path.basename(code.co_filename), code.co_name) in IDLE:
-        return None
+def classify(frame: FrameType) -> str:
+    """The stage a sampled stack belongs to."""
     stack: list[tuple[str, str]] = []
     f: FrameType | None = frame
     while f is not None:
@@ -121,41 +120,79 @@ def classify(frame: FrameType) -> str | None:
     return "other"
 
 
+def _native_threads_cpu_s() -> dict[int, tuple[str, float]]:
+    """Every thread of this process: tid -> (name, CPU seconds so far), from /proc."""
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) * tick_s)
+    return out
+
+
 class StackSampler:
-    """Samples every other thread's stack each ``interval_s`` into stage counts."""
+    """Charges each Python thread's CPU time, interval by interval, to the stage its
+    stack shows; threads without Python frames (torch's OpenMP workers, Ray's core
+    threads) are counted from /proc by thread name."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self.counts: Counter[str] = Counter()
-        self.num_idle = 0
+        self.cpu_s: Counter[str] = Counter()
+        self.unnamed_s: Counter[str] = Counter()  # innermost frames of "other"/"event_loop"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
         self._cpu0_s = 0.0
+        self._native0: dict[int, tuple[str, float]] = {}
 
     def start(self) -> None:
         self._cpu0_s = time.process_time()
+        self._native0 = _native_threads_cpu_s()
         self._thread.start()
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
         self._thread.join()
+        python_tids = {t.native_id for t in threading.enumerate()}
+        native: Counter[str] = Counter()
+        for tid, (name, cpu_s) in _native_threads_cpu_s().items():
+            if tid not in python_tids:
+                native[f"native:{name}"] += cpu_s - self._native0.get(tid, (name, 0.0))[1]
         return {
             "cpu_s": time.process_time() - self._cpu0_s,
-            "counts": dict(self.counts),
-            "idle": self.num_idle,
+            "stages": dict(self.cpu_s),
+            "native": {k: v for k, v in native.items() if v > 0},
+            "unnamed_top": {k: round(v, 3) for k, v in self.unnamed_s.most_common(6)},
         }
 
     def _run(self) -> None:
         me = threading.get_ident()
+        clocks: dict[int, int] = {}
+        last: dict[int, float] = {}
         while not self._stop.wait(self.interval_s):
             for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
-                stage = classify(frame)
-                if stage is None:
-                    self.num_idle += 1
-                else:
-                    self.counts[stage] += 1
+                try:
+                    clock = clocks.get(ident)
+                    if clock is None:
+                        clock = clocks[ident] = time.pthread_getcpuclockid(ident)
+                    now_s = time.clock_gettime(clock)
+                except OSError:
+                    continue  # the thread ended
+                used_s = now_s - last.get(ident, now_s)
+                last[ident] = now_s
+                if used_s > 0:
+                    stage = classify(frame)
+                    self.cpu_s[stage] += used_s
+                    if stage in ("other", "event_loop"):  # what to name next
+                        code = frame.f_code
+                        where = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+                        self.unnamed_s[f"{stage}@{where}"] += used_s
 
 
 # -- inside the Ray actor (through __ray_call__) --------------------------------------------
@@ -200,10 +237,12 @@ def _config(model: str, args: argparse.Namespace) -> Any:
 async def _bench(url: str, tokenizer: str, args: argparse.Namespace, n: int) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "services.cli", "bench", "--base-url", url,
-        "--endpoint", "completions", "--tokenizer", tokenizer,
+        "--endpoint", "completions",
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--concurrency", str(args.concurrency), "--num-requests", str(n), "--json",
     ]  # fmt: skip
+    if tokenizer != "tiny":  # the built-in model's tokenizer is not a folder
+        cmd += ["--tokenizer", tokenizer]
     proc = await asyncio.create_subprocess_exec(
         *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -240,7 +279,7 @@ async def _profile(model: str, tokenizer: str, args: argparse.Namespace) -> dict
         await asyncio.sleep(0.1)
     await _bench(url, tokenizer, args, max(4, args.concurrency // 4))  # warm-up
 
-    client: Any = svc.controller.client(svc.controller.workers()[0])
+    client: Any = svc.controller.client(next(iter(svc.controller.workers())))
     actor = getattr(client, "actor", None)
     interval_s = args.interval_ms / 1e3
     sampler = StackSampler(interval_s)
@@ -273,9 +312,8 @@ def _report(
 ) -> dict[str, Any]:
     cpu_s: Counter[str] = Counter()
     for p in processes.values():
-        total = sum(p["counts"].values())
-        for stage, n in p["counts"].items():
-            cpu_s[stage] += p["cpu_s"] * n / total if total else 0.0
+        cpu_s.update(p["stages"])
+        cpu_s.update(p["native"])
     served_cpu_s = sum(p["cpu_s"] for p in processes.values())
     num_tokens = round(summary["output_throughput"] * summary["duration"])
     return {
@@ -292,6 +330,11 @@ def _report(
         "process_cpu_s": {k: round(p["cpu_s"], 2) for k, p in processes.items()},
         "load_client_cpu_s": round(load_cpu_s, 2),
         "cpu_s": {k: round(v, 3) for k, v in cpu_s.most_common()},
+        "by_process": {
+            name: {k: round(v, 3) for k, v in Counter({**p["stages"], **p["native"]}).most_common()}
+            for name, p in processes.items()
+        },
+        "unnamed_top": {name: p["unnamed_top"] for name, p in processes.items()},
         "share": {k: round(v / served_cpu_s, 3) for k, v in cpu_s.most_common()},
         "cpu_ms_per_output_token": round(1e3 * served_cpu_s / max(1, num_tokens), 3),
         "transport_messages": num_messages if args.workers == "ray" else None,
