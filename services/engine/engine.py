@@ -25,6 +25,7 @@ from services.backends.protocol import AdmissionFeedback, AdmissionPolicy
 from services.config import EngineConfig
 from services.engine.grammar import GrammarCompiler, apply_grammar_masks
 from services.engine.kv_cache import BlockManager, allocate_kv_pool
+from services.engine.linear import can_pack, pack_linears
 from services.engine.loader import LoadedModel
 from services.engine.messages import (
     EngineRequest,
@@ -67,6 +68,8 @@ class LLMEngine:
         admission: AdmissionPolicy | None = None,
     ) -> None:
         self.model = loaded.model
+        if can_pack(self.model):  # CPU float32: oneDNN-packed weights (linear.py)
+            pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 32))
         self.tokenizer = loaded.tokenizer
         self.config = config
         args = loaded.args
