@@ -19,8 +19,8 @@ Each non-idle sample is charged to the most specific stage found on its stack:
     worker.loop         the engine loop's own work (commands, deliveries, telemetry)
     engine.schedule     scheduler and block manager
     engine.inputs       flattening the batch, attention metadata
-    engine.model        the forward pass (torch ops run under these frames)
-    engine.sample       logits, grammar masks, sampling
+    engine.model        the forward pass and the LM head (torch ops run under these frames)
+    engine.sample       grammar masks, sampling
     engine.output       appending tokens, finishing requests, stats
     engine.detokenize   (older trees only: the engine's own detokenizer)
     event_loop          asyncio's own bookkeeping (polling included)
@@ -30,7 +30,9 @@ Each Python thread's CPU time (its own clock, read at every sample) is charged t
 the stage its stack shows at that sample, so a waiting thread costs nothing and the
 stages add up to the CPU the threads used. Threads without Python frames (torch's
 OpenMP workers, Ray's core threads) are reported by name (``native:<name>``) from
-/proc. The load client's process is reported apart. A thread that spins waiting for
+/proc; a thread is named after its process when it starts, so a Ray worker's torch
+OpenMP threads show as ``native:ray::IDLE`` (engine compute), and ``native:worker.io``
+and the ``poll`` threads are Ray's transport. The load client's process is reported apart. A thread that spins waiting for
 the GIL is charged where it waits; and a stage is known only at sample times, so
 shares are estimates (the finer ``--interval-ms``, the better), the totals are not.
 Prints one JSON object.
@@ -66,12 +68,12 @@ RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
     ("/services/engine/detokenizer.py", None, "engine.detokenize"),  # before issue 15
     ("/services/engine/sampler.py", None, "engine.sample"),
     ("/services/engine/grammar.py", None, "engine.sample"),
-    ("/services/engine/engine.py", frozenset({"_sample"}), "engine.sample"),
     ("/services/engine/step_inputs.py", None, "engine.inputs"),
     ("/services/engine/attention.py", frozenset(_ATTENTION_INPUTS), "engine.inputs"),
     ("/services/engine/model.py", None, "engine.model"),
     ("/services/engine/attention.py", None, "engine.model"),
     ("/services/engine/rope.py", None, "engine.model"),
+    ("/services/engine/engine.py", frozenset({"_sample"}), "engine.sample"),
     ("/services/engine/scheduler.py", None, "engine.schedule"),
     ("/services/engine/kv_cache.py", None, "engine.schedule"),
     ("/services/engine/block_hash.py", None, "engine.schedule"),
