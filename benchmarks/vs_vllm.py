@@ -79,7 +79,15 @@ def main(argv: list[str] | None = None) -> None:
         "--model", str(folder), "--dtype", "float32", "--port", str(port),
         "--mode", "colocated", "--prefill", "1", "--decode", "0", "--log-level", "warning",
     ]  # fmt: skip
-    rows.append(run_server("baton embedded", cmd, port, folder, args, work / "baton.log"))
+    for attempt in range(2):  # on a crowded machine Ray's node may time out starting
+        try:
+            log = work / f"baton{attempt}.log"
+            rows.append(run_server("baton embedded", cmd, port, folder, args, log))
+            break
+        except RuntimeError as e:
+            print(json.dumps({"server": "baton embedded", "start_failed": str(e)}), flush=True)
+    else:
+        raise SystemExit("baton serve did not start twice; see " + str(work))
     print(json.dumps(rows[-1]), flush=True)
     if args.skip_vllm:
         return
