@@ -78,7 +78,6 @@ class _Seq:
     tokens: list[int]  # prompt + outputs
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    emitted_text_len: int = 0
     rng: random.Random = field(default_factory=random.Random)
 
     @property
@@ -232,8 +231,6 @@ class FakeEngine:
         return _Seq(
             request,
             [*request.prompt_token_ids, *request.output_token_ids],
-            # Text of tokens generated elsewhere was already streamed by someone else.
-            emitted_text_len=len(self._tokenizer.decode(request.output_token_ids)),
             rng=random.Random(seed),
         )
 
@@ -278,15 +275,12 @@ class FakeEngine:
         return ord("a") + h % 26 if h % 5 else ord(" ")
 
     def _sample_and_check(self, seq: _Seq) -> RequestOutput:
+        # Token ids only, as the real engines: stop strings are the gateway's.
         sampling = seq.request.sampling
         token = self._next_token(seq)
         seq.tokens.append(token)
-        text = self._tokenizer.decode(seq.output_ids)
         finish: FinishReason | None = None
-        stop_at = min((i for s in sampling.stop if (i := text.find(s)) >= 0), default=-1)
-        if stop_at >= 0:
-            text, finish = text[:stop_at], FinishReason.STOP
-        elif token in (_EOS, *sampling.stop_token_ids) and not sampling.ignore_eos:
+        if token in (_EOS, *sampling.stop_token_ids) and not sampling.ignore_eos:
             finish = FinishReason.STOP
         elif len(seq.output_ids) >= sampling.max_tokens or len(seq.tokens) >= (
             self._info.max_model_len
@@ -296,17 +290,11 @@ class FakeEngine:
         if finish is None and seq.request.prefill_only:
             finish = FinishReason.PREFILLED
             held = self._hold_prompt(seq)
-        # Hold back a tail that could still grow into a stop string.
-        holdback = 0 if finish is not None else max((len(s) - 1 for s in sampling.stop), default=0)
-        visible = text[: max(seq.emitted_text_len, len(text) - holdback)]
-        new_text = visible[seq.emitted_text_len :]
-        seq.emitted_text_len = len(visible)
         if finish is not None:
             self._finish(seq, keep_blocks=held is not None)
         return RequestOutput(
             request_id=seq.request.request_id,
             new_token_ids=(token,),
-            new_text=new_text,
             finish_reason=finish,
             logprobs=self._logprobs(token, sampling.logprobs),
             num_prompt_tokens=seq.num_prompt,

@@ -2,8 +2,12 @@
 
 One step: schedule -> build the flat batch -> model forward (writes KV into the
 paged pool) -> logits of each sequence that caught up -> sample -> append,
-detokenize, check stops -> free or hold finished requests -> output deltas.
+check stops on token ids -> free or hold finished requests -> output deltas.
 Not thread-safe: one worker thread owns it.
+
+Tokens only: text has one owner, the gateway, which detokenizes and checks stop
+strings and aborts the request when one matches (as vLLM's front end does with
+its engine core). The engine stops on EOS, stop token ids, length and grammars.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from kvtransfer.types import KVLayout
 from services.backends.protocol import AdmissionFeedback, AdmissionPolicy
 from services.config import EngineConfig
 from services.engine.block_hash import image_hash_token_ids
-from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.grammar import GrammarCompiler, apply_grammar_masks
 from services.engine.kv_cache import BlockManager, allocate_kv_pool
+from services.engine.linear import can_pack, pack_linears
 from services.engine.loader import LoadedModel
 from services.engine.messages import (
     EngineRequest,
@@ -68,6 +72,8 @@ class LLMEngine:
         admission: AdmissionPolicy | None = None,
     ) -> None:
         self.model = loaded.model
+        if can_pack(self.model):  # CPU float32: oneDNN-packed weights (linear.py)
+            pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 32))
         self.tokenizer = loaded.tokenizer
         self.config = config
         args = loaded.args
@@ -246,20 +252,12 @@ class LLMEngine:
 
     def _append_token(self, r: Request, token_id: int, lp: TokenLogprob | None) -> RequestOutput:
         r.append_output(token_id)
-        text, stop_str_hit = r.detokenizer.add(token_id)
         grammar_done = r.grammar is not None and _grammar_ends(r.grammar, token_id)
-        reason = (
-            FinishReason.STOP if grammar_done else self._finish_reason(r, token_id, stop_str_hit)
-        )
-        held: HeldKV | None = None
-        if reason is not None:
-            if reason is not FinishReason.PREFILLED and not stop_str_hit:
-                text += r.detokenizer.finish()  # flush text held back for a stop string
-            held = self._finish(r, reason)
+        reason = FinishReason.STOP if grammar_done else self._finish_reason(r, token_id)
+        held = self._finish(r, reason) if reason is not None else None
         return RequestOutput(
             request_id=r.request_id,
             new_token_ids=(token_id,),
-            new_text=text,
             finish_reason=reason,
             logprobs=(lp,) if lp is not None and r.sampling.logprobs is not None else None,
             num_prompt_tokens=r.num_prompt_tokens,
@@ -268,12 +266,12 @@ class LLMEngine:
             held_kv=held,
         )
 
-    def _finish_reason(self, r: Request, token_id: int, stop_str_hit: bool) -> FinishReason | None:
+    def _finish_reason(self, r: Request, token_id: int) -> FinishReason | None:
         sp = r.sampling
         if r.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token_id in self._info.eos_token_ids:
                 return FinishReason.STOP
-            if token_id in sp.stop_token_ids or stop_str_hit:
+            if token_id in sp.stop_token_ids:
                 return FinishReason.STOP
         if r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self._info.max_model_len:
             return FinishReason.LENGTH
@@ -354,16 +352,6 @@ class LLMEngine:
         if r.sampling.structured is not None:
             # Replaying the committed outputs puts the matcher where the last worker left it.
             r.grammar = self.grammars.matcher(r.sampling.structured, r.output_token_ids)
-        r.detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            r.prompt_token_ids,
-            stop=r.sampling.stop,
-            include_stop_str_in_output=r.sampling.include_stop_str_in_output,
-        )
-        # Outputs already streamed elsewhere: replay them (text discarded) so that text held
-        # back there (a split UTF-8 character, a partial stop string) completes here.
-        for token_id in r.output_token_ids:
-            r.detokenizer.add(token_id)
         self._requests[r.request_id] = r
         return r
 

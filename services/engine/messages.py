@@ -62,7 +62,7 @@ class UnsupportedModelError(ModelLoadError):
 
 
 class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, stop token id or stop string
+    STOP = "stop"  # EOS, stop token id, a grammar's end; a stop string (at the gateway)
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
     PREFILLED = "prefilled"  # a prefill-only request stopped after its first token
@@ -218,11 +218,13 @@ class HeldKV:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one engine step produced for one request (a delta, not a total)."""
+    """What one engine step produced for one request (a delta, not a total).
+
+    Token ids only: the gateway owns text (detokenizing, stop strings).
+    """
 
     request_id: str
     new_token_ids: tuple[int, ...]
-    new_text: str
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_prompt_tokens: int = 0

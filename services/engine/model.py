@@ -19,6 +19,7 @@ from torch import nn
 from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
 from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
+from services.engine.linear import linear
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -97,8 +98,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-# The forwards below call F.linear / rms_norm on the parameters rather than the
+# The forwards below call linear / rms_norm on the parameters rather than the
 # submodules: at decode on a CPU, module-call overhead is a visible share of a step.
+# ``linear`` uses a layer's packed CPU weight when the engine made one (linear.py).
 
 
 class Attention(nn.Module):
@@ -125,7 +127,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens, h = x.shape[0], self.num_heads
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = linear(x, self.qkv_proj)
         # q and k heads side by side, so RoPE runs once over both.
         qk = qkv[:, : self.qk_dim].view(num_tokens, h + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.qk_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -135,7 +137,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *cos_sin)
         write_kv(pool, self.layer_idx, meta, qk[:, h:], v)
         o = paged_attention(qk[:, :h], qk[:, h:], v, pool, self.layer_idx, meta, self.scale)
-        return F.linear(o, self.o_proj.weight, self.o_proj.bias)
+        return linear(o, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -145,8 +147,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -235,4 +237,4 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head).float()

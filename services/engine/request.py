@@ -32,7 +32,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
-    detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
     grammar: Any = None  # xgrammar.GrammarMatcher for a constrained request, set by the engine
     all_token_ids: list[int] = field(default_factory=list)  # prompt + outputs, kept in step
     # What the prefix cache hashes: all_token_ids itself, unless the prompt has images,

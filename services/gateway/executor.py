@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 from router.front_door import Hold, Router
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
 from services.engine.block_hash import compute_block_hashes, image_hash_token_ids
-from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.messages import EngineRequest, FinishReason, ImageInput, SamplingParams
 from services.engine.tokenizer import Tokenizer
+from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import BadRequest, Overloaded, ServiceFailure
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient, WorkerDiedError
@@ -158,8 +158,8 @@ class PlanExecutor:
             try:
                 async with _closing(stream):  # closing aborts what is unfinished
                     async for delta in stream:
-                        generated.extend(delta.token_ids)
                         delta = _detokenize(detokenizer, delta, request_id)
+                        generated.extend(delta.token_ids)
                         yield delta
                         if delta.finish_reason is not None:
                             return
@@ -389,14 +389,35 @@ def _replaced(profile: RequestProfile, num_generated: int) -> RequestProfile:
 def _detokenize(
     detokenizer: IncrementalDetokenizer, delta: TokenDelta, request_id: str
 ) -> TokenDelta:
-    """The delta with the gateway's text; a stop string seen here ends the request."""
-    text = "".join(detokenizer.add(t)[0] for t in delta.token_ids)
+    """The delta with the gateway's text (workers send token ids only).
+
+    A stop string seen here ends the request (the caller's stream closes, which aborts
+    it on the worker); tokens after the one that completed the stop string are dropped
+    and not counted, as if the engine had stopped there.
+    """
+    pieces: list[str] = []
+    num_kept = len(delta.token_ids)
+    for k, token_id in enumerate(delta.token_ids):
+        text, stopped = detokenizer.add(token_id)
+        pieces.append(text)
+        if stopped:
+            num_kept = k + 1
+            break
     finish = delta.finish_reason
-    if finish is None and detokenizer.stopped:
+    if detokenizer.stopped:
         finish = FinishReason.STOP
-    elif finish is not None and not detokenizer.stopped:
-        text += detokenizer.finish()
-    return replace(delta, request_id=request_id, text=text, finish_reason=finish)
+    elif finish is not None:
+        pieces.append(detokenizer.finish())  # flush what was held back for a stop string
+    num_dropped = len(delta.token_ids) - num_kept
+    return replace(
+        delta,
+        request_id=request_id,
+        text="".join(pieces),
+        finish_reason=finish,
+        token_ids=delta.token_ids[:num_kept],
+        num_output_tokens=delta.num_output_tokens - num_dropped,
+        logprobs=delta.logprobs[:num_kept] if delta.logprobs is not None else None,
+    )
 
 
 # Closing a stream closes the streams it reads, down to the worker's: every level's

@@ -9,12 +9,16 @@ transport.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from router.types import Role
-from services.workers.messages import Job, RequestFailed, TokenDelta, WorkerEvent, WorkerSnapshot
+from services.workers.channel import ChannelClosed, EventDemux, coalesce, is_final
+from services.workers.messages import EventBatch, Job, WorkerEvent, WorkerSnapshot
 from services.workers.worker import Worker
 
 __all__ = ["InProcessWorkerClient", "RayWorkerClient", "WorkerClient", "WorkerDiedError"]
@@ -80,46 +84,74 @@ class InProcessWorkerClient:
         self.worker.stop_now()
 
 
-def _is_final(event: WorkerEvent) -> bool:
-    return isinstance(event, RequestFailed) or (
-        isinstance(event, TokenDelta) and event.finish_reason is not None
-    )
-
-
-# A worker's stream waits once this many events are unread. This is how a worker learns
-# that a gateway process died: the wait fails, the worker's generator is closed, and its
-# ``finally`` aborts the request and frees its blocks (without a bound, Ray would keep
-# the generator running for a consumer that is gone). Nothing is lost while it waits:
-# the worker coalesces queued token events into one.
-_UNREAD_EVENTS = 8
+# A channel (and a telemetry stream) waits once this many items are unread. This is how
+# a worker learns that a gateway process died: the wait fails, the worker's ``events``
+# generator is closed, and its ``finally`` aborts that gateway's requests and frees their
+# blocks (without a bound, Ray would keep the generator running for a consumer that is
+# gone). Nothing is lost while it waits: the outbox gathers queued events into one batch.
+_UNREAD_BATCHES = 8
 
 
 class RayWorkerClient:
-    """Calls a ``Worker`` Ray actor; token events arrive through a streaming generator."""
+    """Calls a ``Worker`` Ray actor.
+
+    Token events of every request this client runs on the actor arrive through one
+    channel (a streaming call of ``Worker.events``): one message per engine step,
+    split into per-request streams here (``EventDemux``). The channel is opened on
+    first use in each event loop; a channel that breaks fails its requests with
+    ``WorkerDiedError``, and the next request opens a new one.
+    """
 
     def __init__(self, worker_id: str, actor: Any) -> None:
         self.worker_id = worker_id
         self.actor = actor
+        self._demux: EventDemux | None = None
+        self._demux_loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def num_messages(self) -> int:
+        """Transport messages received on the current channel (for tests and benchmarks)."""
+        return self._demux.num_batches if self._demux is not None else 0
 
     async def generate(self, job: Job) -> AsyncIterator[WorkerEvent]:
-        import ray
-
-        stream = self.actor.generate.options(
-            num_returns="streaming", _generator_backpressure_num_objects=_UNREAD_EVENTS
-        ).remote(job)
+        demux = self._channel()
+        request_id = job.request.request_id
+        events = demux.register(request_id)
+        self.actor.submit.remote(demux.subscriber, job)
         finished = False
         try:
-            async for ref in stream:
-                event: WorkerEvent = await ref
-                finished = _is_final(event)
+            while not finished:
+                event = coalesce(await events.get(), events)
+                if isinstance(event, ChannelClosed):
+                    raise WorkerDiedError(self.worker_id, event.cause)
+                finished = is_final(event)
                 yield event
-        except ray.exceptions.RayActorError as e:
-            raise WorkerDiedError(self.worker_id, type(e).__name__) from e
         finally:
+            demux.unregister(request_id)
             if not finished:
-                self.abort(job.request.request_id)
-                with contextlib.suppress(Exception):
-                    ray.cancel(stream)
+                self.abort(request_id)
+
+    def _channel(self) -> EventDemux:
+        loop = asyncio.get_running_loop()
+        demux = self._demux
+        if demux is None or demux.closed or self._demux_loop is not loop:
+            subscriber = f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            demux = EventDemux(self._batches(subscriber), subscriber)
+            self._demux, self._demux_loop = demux, loop
+        return demux
+
+    async def _batches(self, subscriber: str) -> AsyncIterator[EventBatch]:
+        import ray
+
+        stream = self.actor.events.options(
+            num_returns="streaming", _generator_backpressure_num_objects=_UNREAD_BATCHES
+        ).remote(subscriber)
+        try:
+            async for ref in stream:
+                yield await ref
+        finally:
+            with contextlib.suppress(Exception):
+                ray.cancel(stream)
 
     def abort(self, request_id: str) -> None:
         self.actor.abort.remote(request_id)
@@ -128,7 +160,7 @@ class RayWorkerClient:
         import ray
 
         stream = self.actor.telemetry.options(
-            num_returns="streaming", _generator_backpressure_num_objects=_UNREAD_EVENTS
+            num_returns="streaming", _generator_backpressure_num_objects=_UNREAD_BATCHES
         ).remote()
         try:
             async for ref in stream:
@@ -160,10 +192,14 @@ class RayWorkerClient:
         return result
 
     async def shutdown(self) -> None:
+        if self._demux is not None:
+            self._demux.close()
         await self._call("shutdown")
 
     def kill(self) -> None:
         import ray
 
+        if self._demux is not None:
+            self._demux.close()
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)

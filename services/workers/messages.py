@@ -7,12 +7,18 @@ Gateway -> worker (arguments of ``Worker.generate``)::
     Continue(request, handle)    adopt a request whose prompt KV another worker
                                  holds: pull it through the KVConnector, then decode
 
-Worker -> gateway (items of the ``generate`` stream, in order)::
+Worker -> gateway, per request and in order::
 
     KVPulled                     only for Continue, once the KV landed
     TokenDelta ...               one per engine step that produced tokens;
                                  the last has ``finish_reason`` set
     RequestFailed                instead of (or after some) deltas; final
+
+Across a process boundary these travel in ``EventBatch`` messages, one per
+engine step per gateway, holding every request's events of that step
+(``services/workers/channel.py``). Workers send token ids only: the gateway
+owns text (detokenizing, stop strings), so ``TokenDelta.text`` is empty until
+the gateway's detokenizer fills it.
 
 and, on the ``telemetry`` stream, ``WorkerSnapshot`` at least every
 ``telemetry_interval_s`` and after every admission or finish.
@@ -31,6 +37,7 @@ from services.engine.messages import EngineRequest, FinishReason, TokenLogprob
 
 __all__ = [
     "Continue",
+    "EventBatch",
     "FailureKind",
     "Generate",
     "Job",
@@ -67,7 +74,7 @@ class FailureKind(enum.StrEnum):
 class TokenDelta:
     request_id: str
     token_ids: tuple[int, ...]
-    text: str
+    text: str  # "" from a worker; the gateway's detokenizer fills it
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_prompt_tokens: int = 0
@@ -93,6 +100,13 @@ class RequestFailed:
 
 
 WorkerEvent = TokenDelta | KVPulled | RequestFailed
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One transport message: the events of one or more engine steps for one gateway."""
+
+    events: tuple[WorkerEvent, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,11 @@ Call order seen from the gateway::
 
     async for event in worker.generate(Generate(req) | Continue(req, handle)): ...
     worker.abort(request_id)                       any time; idempotent
+
+or, across a process boundary, one channel per gateway (services/workers/channel.py)::
+
+    async for batch in worker.events(subscriber): ...   EventBatch per engine step
+    await worker.submit(subscriber, job)                its events go to that channel
     async for snapshot in worker.telemetry(): ...  one subscription per gateway
     await worker.set_role(Role.DECODE)             drains in-flight requests first
 """
@@ -16,7 +21,6 @@ Call order seen from the gateway::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,12 +29,13 @@ from kvtransfer.connector import KVConnector
 from router.types import Role
 from services.backends.protocol import Engine
 from services.engine.messages import EngineRequest, InvalidRequestError
+from services.workers.channel import ChannelClosed, Outbox, coalesce, is_final
 from services.workers.loop import EngineLoop
 from services.workers.messages import (
+    EventBatch,
     FailureKind,
     Job,
     RequestFailed,
-    TokenDelta,
     WorkerEvent,
     WorkerSnapshot,
 )
@@ -71,14 +76,16 @@ class Worker:
         self._prepare: Callable[[EngineRequest], None] | None = getattr(engine, "prepare", None)
         connector = spec.connector_factory(spec.worker_id) if spec.connector_factory else None
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue[WorkerEvent]] = {}
+        self._streams: dict[str, asyncio.Queue[WorkerEvent | ChannelClosed]] = {}
+        self._outboxes: dict[str, Outbox] = {}  # subscriber -> its channel's outbox
+        self._owners: dict[str, Outbox] = {}  # request_id -> the outbox of its channel
         self._subscribers: set[asyncio.Event] = set()
         self._latest: WorkerSnapshot | None = None
         self._loop = EngineLoop(
             spec.worker_id,
             engine,
             connector,
-            on_event=self._post_event,
+            on_events=self._post_events,
             on_snapshot=self._post_snapshot,
             role_state=lambda: (self._role, self._draining),
             telemetry_interval_s=spec.telemetry_interval_s,
@@ -97,28 +104,74 @@ class Worker:
             except InvalidRequestError as e:
                 yield RequestFailed(request_id, FailureKind.INVALID, str(e), e.param)
                 return
-        events: asyncio.Queue[WorkerEvent] = asyncio.Queue()
+        events: asyncio.Queue[WorkerEvent | ChannelClosed] = asyncio.Queue()
         self._streams[request_id] = events
         self._loop.submit(job)
         finished = False
         try:
             while not finished:
-                event = _coalesce(await events.get(), events)
-                finished = isinstance(event, RequestFailed) or (
-                    isinstance(event, TokenDelta) and event.finish_reason is not None
-                )
+                event = coalesce(await events.get(), events)
+                if isinstance(event, ChannelClosed):  # only a channel's queues get one
+                    raise RuntimeError(event.cause)
+                finished = is_final(event)
                 yield event
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # the consumer went away (client hung up, cancelled)
                 self._loop.abort(request_id)
 
+    async def events(self, subscriber: str) -> AsyncIterator[EventBatch]:
+        """One gateway's channel: a batch of events per engine step, for every request
+        that gateway ``submit``-ted here. Ending it (the gateway went away) aborts them."""
+        self._bind()
+        outbox = self._outbox(subscriber)
+        try:
+            while True:
+                yield await outbox.next_batch()
+        finally:
+            self._outboxes.pop(subscriber, None)
+            for request_id in list(outbox.request_ids):
+                self._owners.pop(request_id, None)
+                self._loop.abort(request_id)
+
+    async def submit(self, subscriber: str, job: Job) -> None:
+        """Run ``job``; its events go to ``subscriber``'s channel (``events``)."""
+        self._bind()
+        request_id = job.request.request_id
+        outbox = self._outbox(subscriber)
+        outbox.request_ids.add(request_id)
+        self._owners[request_id] = outbox
+        if self._prepare is not None and job.request.sampling.structured is not None:
+            try:
+                await asyncio.to_thread(self._prepare, job.request)
+            except InvalidRequestError as e:
+                self._route_events(
+                    (RequestFailed(request_id, FailureKind.INVALID, str(e), e.param),)
+                )
+                return
+        if request_id in self._owners:  # not aborted while its grammar compiled
+            self._loop.submit(job)
+
+    def _outbox(self, subscriber: str) -> Outbox:
+        # ``submit`` may run before ``events`` (two calls racing): whichever comes first makes it.
+        outbox = self._outboxes.get(subscriber)
+        if outbox is None:
+            outbox = self._outboxes[subscriber] = Outbox()
+        return outbox
+
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks, held ones included. Idempotent."""
+        self._forget(request_id)
         self._loop.abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        outbox = self._owners.pop(request_id, None)
+        if outbox is not None:
+            outbox.request_ids.discard(request_id)
 
     def abort_soon(self, request_id: str) -> None:
         """``abort`` for callers in this process that cannot await."""
+        self._forget(request_id)
         self._loop.abort(request_id)
 
     # -- telemetry and control ---------------------------------------------------------
@@ -160,7 +213,7 @@ class Worker:
         self._draining = True
         self._loop.mark_dirty()
         deadline = time.monotonic() + drain_timeout_s
-        while self._streams and time.monotonic() < deadline:
+        while (self._streams or self._owners) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self._role = role
         self._draining = False
@@ -184,14 +237,30 @@ class Worker:
         if self._aio is None:
             self._aio = asyncio.get_running_loop()
 
-    def _post_event(self, request_id: str, event: WorkerEvent) -> None:
+    def _post_events(self, events: tuple[WorkerEvent, ...]) -> None:
         if self._aio is not None and not self._aio.is_closed():
-            self._aio.call_soon_threadsafe(self._route_event, request_id, event)
+            self._aio.call_soon_threadsafe(self._route_events, events)
 
-    def _route_event(self, request_id: str, event: WorkerEvent) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(event)
+    def _route_events(self, events: tuple[WorkerEvent, ...]) -> None:
+        """One engine iteration's events: to in-process streams, or to the channels'
+        outboxes, each woken once (so each channel sends one batch for the step)."""
+        woken: list[Outbox] = []
+        for event in events:
+            request_id = event.request_id
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(event)
+                continue
+            outbox = self._owners.get(request_id)
+            if outbox is None:
+                continue  # aborted: nobody listens
+            outbox.put(event)
+            if is_final(event):
+                del self._owners[request_id]
+            if outbox not in woken:
+                woken.append(outbox)
+        for outbox in woken:
+            outbox.wake()
 
     def _post_snapshot(self, snapshot: WorkerSnapshot) -> None:
         self._latest = snapshot
@@ -201,26 +270,3 @@ class Worker:
     def _wake_subscribers(self) -> None:
         for wake in self._subscribers:
             wake.set()
-
-
-def _coalesce(event: WorkerEvent, queued: asyncio.Queue[WorkerEvent]) -> WorkerEvent:
-    """Merge token deltas that piled up behind ``event`` (only when the consumer lags).
-
-    One stream item per engine step is the rule; under overload, one item per
-    several steps costs one Ray round trip instead of several, and a delta is
-    "everything since the last one" either way.
-    """
-    while isinstance(event, TokenDelta) and event.finish_reason is None and not queued.empty():
-        follower = queued.get_nowait()
-        if not isinstance(follower, TokenDelta):
-            queued.put_nowait(follower)  # keep order: rare (a failure after tokens)
-            break
-        event = dataclasses.replace(
-            follower,
-            token_ids=event.token_ids + follower.token_ids,
-            text=event.text + follower.text,
-            logprobs=(event.logprobs or ()) + (follower.logprobs or ())
-            if event.logprobs or follower.logprobs
-            else None,
-        )
-    return event

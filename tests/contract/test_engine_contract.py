@@ -117,11 +117,7 @@ def test_runs_to_max_tokens_with_deltas(build: Build) -> None:
     assert outs[-1].finish_reason is FinishReason.LENGTH
     assert all(o.num_prompt_tokens == len(p) for o in outs)
     assert engine.stats().recent_output_lens[-1] == 7
-    text = "".join(o.new_text for o in outs)
-    if getattr(engine, "emits_text", True):  # text deltas add up to the decoded tokens
-        assert text == engine.decode(tokens(outs))
-    else:  # the gateway owns text
-        assert text == ""
+    assert not any(hasattr(o, "new_text") for o in outs)  # the gateway owns text
 
 
 def test_greedy_is_deterministic_across_engines_and_batches(build: Build) -> None:

@@ -81,7 +81,6 @@ class RemoteEngine:
         self._ray = ray
         self._actor = _engine_host().remote(backend, model, engine, kv_lease_s)
         self.moves_own_kv = bool(ray.get(self._actor.get.remote("moves_own_kv")))
-        self.emits_text = ray.get(self._actor.get.remote("emits_text")) is not False
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._ray.get(self._actor.call.remote(method, *args), timeout=120)

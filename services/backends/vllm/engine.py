@@ -105,9 +105,8 @@ class VllmEngine:
 
     # The worker loop hands KV movement to the engine (vLLM's connector), not kvtransfer.
     moves_own_kv = True
-    # Tokens only: the gateway detokenizes and checks stop strings (one owner for
-    # text), so vLLM is asked for no text and no stop-string matching.
-    emits_text = False
+    # Tokens only, as every engine: the gateway detokenizes and checks stop strings
+    # (one owner for text), so vLLM is asked for no text and no stop-string matching.
 
     def __init__(self, llm: Any, name: str) -> None:
         self._llm = llm
@@ -314,7 +313,6 @@ class VllmEngine:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
-            new_text="",
             finish_reason=finish,
             logprobs=logprobs,
             num_prompt_tokens=len(request.prompt_token_ids),

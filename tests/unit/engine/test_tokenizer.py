@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.loader import load_tokenizer
 from services.engine.tokenizer import ByteTokenizer, Tokenizer
+from services.gateway.detokenizer import IncrementalDetokenizer
 from tests.unit.engine.conftest import HFCheckpoint
 
 TOK = ByteTokenizer()

@@ -178,6 +178,30 @@ async def test_stop_string_seen_at_the_gateway_ends_the_stream_and_aborts() -> N
     assert w.aborted == ["r"]  # the worker did not finish on its own: told to stop
 
 
+async def test_a_stop_string_inside_a_merged_delta_drops_the_tokens_after_it() -> None:
+    """Deltas carry several tokens when the gateway lags; the stop string completes at the
+    second of four: the rest are neither sent nor counted."""
+    merged = TokenDelta("r", (A, B, C, D), "", None, num_output_tokens=4)
+    w = ScriptedWorker("m", lambda job: [merged, delta(A, FinishReason.LENGTH)])
+    executor, _, _ = build([(w, Role.MIXED)])
+    for include, text in ((False, "a"), (True, "ab")):
+        sampling = SamplingParams(
+            max_tokens=8, temperature=0.0, stop=("b",), include_stop_str_in_output=include
+        )
+        (out,) = [d async for d in executor.run("r", PROMPT, sampling, 0.0)]
+        assert out.text == text and out.finish_reason is FinishReason.STOP
+        assert out.token_ids == (A, B) and out.num_output_tokens == 2
+
+
+async def test_text_held_back_for_a_possible_stop_string_is_flushed_at_the_end() -> None:
+    w = ScriptedWorker("m", lambda job: [delta(A), delta(B, FinishReason.LENGTH)])
+    executor, _, _ = build([(w, Role.MIXED)])
+    sampling = SamplingParams(max_tokens=2, temperature=0.0, stop=("bz",))
+    out = [d async for d in executor.run("r", PROMPT, sampling, 0.0)]
+    assert [d.text for d in out] == ["a", "b"]  # "b" waited: it might have begun "bz"
+    assert out[-1].finish_reason is FinishReason.LENGTH
+
+
 class AgeJudgingPolicy:
     """round_robin that refuses a request older than its TTFT target (a fake: tests only)."""
 

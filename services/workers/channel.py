@@ -1,0 +1,150 @@
+"""One event stream per (worker, gateway): every engine step's events in one message.
+
+A Ray streaming item costs about a millisecond of CPU on each side, so a stream
+per request pays that once per token per request. Instead each gateway opens
+one channel per worker and the worker sends it one ``EventBatch`` per engine
+step, carrying the new tokens of every request of that gateway (as vLLM's
+engine core sends its outputs). Both ends live here::
+
+    worker side   Outbox           events of one subscriber, gathered between sends
+    gateway side  EventDemux       one channel's batches, split into per-request queues
+
+Call order (gateway)::
+
+    demux = EventDemux(batches, subscriber)  batches: the worker's ``events(subscriber)``
+    queue = demux.register(request_id)     before the job is submitted
+    ... worker.submit(subscriber, job) ...
+    event = await queue.get()              a WorkerEvent, or a ChannelClosed
+    demux.unregister(request_id)
+
+A channel that ends (the worker died, the stream broke) closes every registered
+queue with ``ChannelClosed``; the caller turns it into ``WorkerDiedError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.workers.messages import EventBatch, RequestFailed, TokenDelta, WorkerEvent
+
+__all__ = ["ChannelClosed", "EventDemux", "Outbox", "coalesce", "is_final"]
+
+
+def is_final(event: WorkerEvent) -> bool:
+    """The last event of a request's stream."""
+    return isinstance(event, RequestFailed) or (
+        isinstance(event, TokenDelta) and event.finish_reason is not None
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelClosed:
+    """Put into a request's queue when its channel ends before the request did."""
+
+    cause: str
+
+
+class Outbox:
+    """The worker's side of one channel: events waiting for the next send."""
+
+    def __init__(self) -> None:
+        self.request_ids: set[str] = set()  # submitted, not yet final
+        self._pending: list[WorkerEvent] = []
+        self._wake = asyncio.Event()
+
+    def put(self, event: WorkerEvent) -> None:
+        """Queue ``event``; the caller calls ``wake`` once after a step's events."""
+        self._pending.append(event)
+        if is_final(event):
+            self.request_ids.discard(event.request_id)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def next_batch(self) -> EventBatch:
+        """Everything queued since the last batch (several steps' if the reader lagged)."""
+        while not self._pending:
+            await self._wake.wait()
+            self._wake.clear()
+        events, self._pending = tuple(self._pending), []
+        return EventBatch(events)
+
+
+class EventDemux:
+    """The gateway's side of one channel: split batches into per-request queues."""
+
+    def __init__(self, batches: AsyncIterator[EventBatch], subscriber: str = "") -> None:
+        self.subscriber = subscriber  # the name the worker knows this channel by
+        self.num_batches = 0  # transport messages received
+        self.num_events = 0
+        self._queues: dict[str, asyncio.Queue[WorkerEvent | ChannelClosed]] = {}
+        self._closed: ChannelClosed | None = None
+        self._task = asyncio.get_running_loop().create_task(self._pump(batches))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def register(self, request_id: str) -> asyncio.Queue[WorkerEvent | ChannelClosed]:
+        queue: asyncio.Queue[WorkerEvent | ChannelClosed] = asyncio.Queue()
+        if self._closed is not None:
+            queue.put_nowait(self._closed)
+        self._queues[request_id] = queue
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def close(self) -> None:
+        self._task.cancel()
+
+    async def _pump(self, batches: AsyncIterator[EventBatch]) -> None:
+        cause = "the event channel ended"
+        try:
+            async for batch in batches:
+                self.num_batches += 1
+                self.num_events += len(batch.events)
+                for event in batch.events:
+                    queue = self._queues.get(event.request_id)
+                    if queue is not None:
+                        queue.put_nowait(event)
+        except asyncio.CancelledError:
+            cause = "the event channel was closed"
+            raise
+        except Exception as e:  # the worker died, or the transport broke: same for us
+            cause = type(e).__name__
+        finally:
+            self._closed = ChannelClosed(cause)
+            for queue in self._queues.values():
+                queue.put_nowait(self._closed)
+            aclose = getattr(batches, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+def coalesce(
+    event: WorkerEvent | ChannelClosed, queued: asyncio.Queue[WorkerEvent | ChannelClosed]
+) -> WorkerEvent | ChannelClosed:
+    """Merge token deltas that piled up behind ``event`` (only when the consumer lags).
+
+    A delta is "everything since the last one" either way; merging saves the consumer
+    one wake-up per step it fell behind.
+    """
+    while isinstance(event, TokenDelta) and event.finish_reason is None and not queued.empty():
+        follower = queued.get_nowait()
+        if not isinstance(follower, TokenDelta):
+            queued.put_nowait(follower)  # keep order: rare (a failure after tokens)
+            break
+        event = dataclasses.replace(
+            follower,
+            token_ids=event.token_ids + follower.token_ids,
+            logprobs=(event.logprobs or ()) + (follower.logprobs or ())
+            if event.logprobs or follower.logprobs
+            else None,
+        )
+    return event

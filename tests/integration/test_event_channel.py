@@ -1,0 +1,85 @@
+"""A Ray worker's events reach the gateway as one message per engine step, not per token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.types import Role
+from services.backends.fake import FakeEngine, FakeTokenizer
+from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+from services.workers.actor import launch_ray_worker
+from services.workers.client import RayWorkerClient, WorkerDiedError
+from services.workers.messages import Generate, TokenDelta
+from services.workers.worker import WorkerSpec
+
+pytestmark = [pytest.mark.ray]
+
+TOK = FakeTokenizer()
+NUM_REQUESTS, NUM_TOKENS = 8, 64
+
+
+def job(request_id: str, max_tokens: int = NUM_TOKENS) -> Generate:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Generate(EngineRequest(request_id, tuple(TOK.encode(request_id)), sampling))
+
+
+def launch(name: str) -> RayWorkerClient:
+    spec = WorkerSpec(name, Role.MIXED, FakeEngine, telemetry_interval_s=0.05)
+    return launch_ray_worker(spec, num_cpus=0, num_gpus=0)
+
+
+async def tokens_of(client: RayWorkerClient, request_id: str) -> list[int]:
+    tokens: list[int] = []
+    async for event in client.generate(job(request_id)):
+        assert isinstance(event, TokenDelta)
+        tokens.extend(event.token_ids)
+        if event.finish_reason is not None:
+            assert event.finish_reason is FinishReason.LENGTH
+    return tokens
+
+
+def test_a_64_token_stream_takes_fewer_messages_than_tokens_with_8_decoding(
+    ray_cluster: str,
+) -> None:
+    client = launch("channel-8")
+
+    async def run() -> tuple[list[list[int]], int]:
+        await client.ping()  # the actor is up: time the streams, not the start
+        ids = [f"r{i}" for i in range(NUM_REQUESTS)]
+        streams = await asyncio.gather(*(tokens_of(client, i) for i in ids))
+        return streams, client.num_messages
+
+    try:
+        streams, num_messages = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        client.kill()
+    assert all(len(s) == NUM_TOKENS for s in streams)
+    assert len({tuple(s) for s in streams}) > 1  # eight different requests really ran
+    # One message per request per token would be 8 * 64 = 512.
+    assert 0 < num_messages < NUM_TOKENS + NUM_REQUESTS, num_messages
+
+
+def test_a_worker_killed_mid_stream_fails_every_stream_with_worker_died(ray_cluster: str) -> None:
+    import ray
+
+    client = launch("channel-dies")
+
+    async def run() -> list[BaseException | list[int]]:
+        await client.ping()
+
+        async def one(request_id: str) -> list[int]:
+            tokens: list[int] = []
+            stream = client.generate(job(request_id, max_tokens=1_000_000))
+            async for event in stream:
+                assert isinstance(event, TokenDelta)
+                tokens.extend(event.token_ids)
+                if request_id == "a" and len(tokens) >= 5:
+                    ray.kill(client.actor, no_restart=True)
+            return tokens
+
+        return await asyncio.gather(one("a"), one("b"), return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(run(), 60))
+    assert all(isinstance(r, WorkerDiedError) for r in results), results

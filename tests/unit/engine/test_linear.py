@@ -1,0 +1,35 @@
+"""CPU linear layers through oneDNN-packed weights: the same products, packed once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.linear import can_pack, linear, pack_linears
+
+
+def test_a_packed_layer_computes_f_linear_for_any_number_of_rows() -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 32, bias=False))
+    if not can_pack(layers):
+        pytest.skip("this torch has no oneDNN packed linear")
+    assert pack_linears(layers, batch_size_hint=16) == 2
+    for layer in layers:
+        assert isinstance(layer, nn.Linear) and "packed_weight" in layer.__dict__
+    for num_rows in (1, 5, 16, 300):
+        x = torch.randn(num_rows, 64)
+        want = F.linear(x, layers[0].weight, layers[0].bias)
+        torch.testing.assert_close(linear(x, layers[0]), want, rtol=1e-5, atol=1e-4)
+    assert "packed_weight" not in layers.state_dict()  # checkpoints are unchanged
+
+
+def test_an_unpacked_layer_is_plain_f_linear() -> None:
+    layer = nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    assert torch.equal(linear(x, layer), F.linear(x, layer.weight, layer.bias))
+
+
+def test_only_float32_cpu_models_are_packed() -> None:
+    assert not can_pack(nn.Linear(8, 4).to(torch.bfloat16))
