@@ -212,7 +212,9 @@ def test_hang_up_after_the_first_token_frees_the_prefill_blocks_within_the_lease
     sampling = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 
     async def hang_up() -> None:
-        stream = disaggregated.svc.generate("hang-up", tuple(PROMPTS[5]), sampling, 0.0)
+        stream = disaggregated.svc.generate(
+            "hang-up", tuple(PROMPTS[5]), sampling, time.monotonic()
+        )
         async for _ in stream:
             break
         await stream.aclose()  # what a client disconnect does to the request's generator
@@ -242,7 +244,9 @@ def test_prefill_worker_killed_after_the_first_token_still_gives_the_same_text(
         tokens: list[int] = []
         workers: set[str] = set()
         prompt = tuple(PROMPTS[index])
-        async for delta in disaggregated.svc.generate("kill-prefill", prompt, sampling, 0.0):
+        async for delta in disaggregated.svc.generate(
+            "kill-prefill", prompt, sampling, time.monotonic()
+        ):
             if not tokens:
                 client = disaggregated.svc.controller.client(delta.worker_id)
                 assert delta.worker_id.startswith("prefill") and client is not None
