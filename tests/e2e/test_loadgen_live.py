@@ -148,6 +148,7 @@ def _mean_profile(profiles: list[Profile]) -> Profile:
     )
 
 
+@pytest.mark.timeout(900)  # three profile/run rounds: about 4 min alone on 2 cores
 def test_bench_zero_failed_and_close_to_simulation(server: tuple[str, str], tmp_path: Path) -> None:
     policy, url = server
     slo = GoodputSLO(ttft_ms=400.0, tpot_ms=60.0)
