@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -183,16 +180,10 @@ async def _measure(base: str, port: int, args: argparse.Namespace) -> dict[str, 
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     import subprocess
 
-    import httpx
+    from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, default=4.0, help="normal requests per second")
@@ -202,32 +193,17 @@ def main() -> None:
     parser.add_argument("--tpot-ms", type=float, default=200.0)
     parser.add_argument("--ready-s", type=float, default=300.0)
     args = parser.parse_args()
-    port = _free_port()
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"BATON_API_KEY": KEY, "PYTHONPATH": str(root)}
+    port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", "tiny"]
     cmd += ["--prefill", "2", "--decode", "2", "--port", str(port), "--worker-cpus", "0"]
-    server = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL)
+    env = child_env(BATON_API_KEY=KEY)
+    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + args.ready_s
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("baton serve did not become ready")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_until_serving(base, server, args.ready_s)
         print(json.dumps(asyncio.run(_measure(base, port, args))), flush=True)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
 
 
 if __name__ == "__main__":

@@ -172,41 +172,24 @@ async def run_load(
 
 
 class Gateway:
-    def __init__(self, ray_address: str, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env["PYTHONPATH"] = str(ROOT)
+    def __init__(self, ray_address: str) -> None:
+        from loadgen.server_proc import child_env, free_port
+
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "gateway", "--ray-address", ray_address,
-             "--port", str(port), "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning"],
+            cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        import httpx
+        from loadgen.server_proc import wait_until_serving
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "gateway exited"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError("gateway not ready")
+        wait_until_serving(self.url, self.proc, timeout_s)
 
     def sigkill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config() -> Any:
@@ -371,7 +354,7 @@ def main() -> None:
     address = ray.get_runtime_context().gcs_address
     plane = start_control_plane(_config())
     ray.get(plane.start.remote(), timeout=300)
-    gateways = [Gateway(address, _free_port()) for _ in range(2)]
+    gateways = [Gateway(address) for _ in range(2)]
     try:
         for g in gateways:
             g.wait_ready()
@@ -380,7 +363,7 @@ def main() -> None:
         run = asyncio.run(_disturbed(workload(args.rate, args.seed), plane, gateways))
         time.sleep(LEASE_S + 1.0)
         blocks = asyncio.run(_blocks_in_use(plane))
-        gateways[1] = Gateway(address, _free_port())
+        gateways[1] = Gateway(address)
         gateways[1].wait_ready()
         _, baseline = asyncio.run(run_load(run.jobs, [g.url for g in gateways], set()))
     finally:

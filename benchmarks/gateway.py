@@ -214,9 +214,9 @@ def scale(args: argparse.Namespace) -> None:
     """One gateway process, then two, over the same control plane's workers."""
     import subprocess
 
-    import httpx
     import ray
 
+    from loadgen.server_proc import ROOT, child_env, free_port, wait_until_serving
     from services.cluster.control_plane import start_control_plane
 
     ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
@@ -225,36 +225,23 @@ def scale(args: argparse.Namespace) -> None:
     plane = start_control_plane(config)
     ray.get(plane.start.remote(), timeout=300)
     procs, urls = [], []
-    root = _HERE.parent
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = str(root)
     try:
         for _ in range(2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             command = [sys.executable, "-m", "services.cli", "gateway"]
             command += ["--ray-address", address, "--port", str(port), "--log-level", "warning"]
             procs.append(
                 subprocess.Popen(
                     command,
-                    cwd=root,
-                    env=env,
+                    cwd=ROOT,
+                    env=child_env(),
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
             )
             urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 300
-        for url in urls:
-            while True:
-                assert time.monotonic() < deadline, "gateway not ready"
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.25)
+        for url, proc in zip(urls, procs, strict=True):
+            wait_until_serving(url, proc, timeout_s=300)
         _measure_scale(urls[:1], argparse.Namespace(**{**vars(args), "duration_s": 2.0}))  # warm
         one = _measure_scale(urls[:1], args)
         two = _measure_scale(urls, args)

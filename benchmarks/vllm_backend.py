@@ -20,40 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine import save_llama_100m  # benchmarks/engine.py
 
+from loadgen.server_proc import free_port, stop, wait_until_serving
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before serving")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not ready within {timeout_s:.0f} s")
+__all__ = ["free_port", "run_server", "workload_arguments"]
 
 
 def bench(base_url: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -79,17 +58,27 @@ def run_server(
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        base_url = f"http://127.0.0.1:{port}"
         try:
-            start_s = wait_ready(f"http://127.0.0.1:{port}", proc, args.start_timeout)
-            summary = bench(f"http://127.0.0.1:{port}", folder, args)
+            start_s = wait_until_serving(
+                base_url, proc, args.start_timeout, path="/v1/models", poll_s=1.0
+            )
+            summary = bench(base_url, folder, args)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, grace_s=60)
     return {"server": label, "startup_s": round(start_s, 1), **_pick(summary)}
+
+
+def workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags every server-against-vLLM benchmark shares (``run_server`` reads them)."""
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of each engine")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds")
+    return p
 
 
 def _pick(summary: dict[str, Any]) -> dict[str, Any]:
@@ -104,14 +93,7 @@ def _pick(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=2, help="CPU threads for each engine")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--eager", action="store_true", help="no torch.compile (starts in ~40 s)")
-    p.add_argument("--start-timeout", type=float, default=600.0)
+    p = workload_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--skip-pd", action="store_true", help="leave out 1P+1D")
     args = p.parse_args(argv)
 

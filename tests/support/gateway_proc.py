@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
-import httpx
-
-from tests.support.serve_cli import ROOT, free_port, serve_env
+from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
 
 
 class GatewayProcess:
@@ -19,22 +16,12 @@ class GatewayProcess:
             [sys.executable, "-m", "services.cli", "gateway", "--ray-address", ray_address,
              "--port", str(self.port)],
             cwd=ROOT,
-            env=serve_env(),
+            env=child_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )  # fmt: skip
-        deadline = time.monotonic() + ready_s
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(self.proc.stdout.read() if self.proc.stdout else "")
-            assert time.monotonic() < deadline, "gateway not ready in time"
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
+        wait_until_serving(self.base_url, self.proc, ready_s)
 
     def kill(self) -> None:
         """SIGKILL: no clean-up of any kind runs in the gateway."""
@@ -42,8 +29,7 @@ class GatewayProcess:
         self.proc.wait()
 
     def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(timeout=30)
+        return stop(self.proc)
 
     def __enter__(self) -> GatewayProcess:
         return self

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-import httpx
+from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["ROOT", "baton_serve", "free_port", "serve_env"]
 
 
 @contextmanager
@@ -36,29 +26,14 @@ def baton_serve(args: list[str], env: dict[str, str], ready_s: float) -> Iterato
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_s
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server not ready in time"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
+        wait_until_serving(base, proc, ready_s)
         yield base
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         output = proc.stdout.read() if proc.stdout else ""
         assert f"http://127.0.0.1:{port}/v1" in output  # it said where it listens
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop(proc, grace_s=0)
 
 
-def serve_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = str(ROOT)
-    env.update(extra)
-    return env
+serve_env = child_env  # the environment a user's shell gives ``baton serve``
