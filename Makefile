@@ -33,7 +33,7 @@ typecheck: venv
 	$(VENV)/bin/mypy services router kvtransfer loadgen
 
 pytest: venv
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
