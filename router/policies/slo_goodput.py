@@ -175,12 +175,15 @@ class SloGoodput:
         n = mean_prompt_tokens
         ttft_s = t.wait_long_s + t.pa + n * (t.pb + n * t.pc)
         slo = self.default_slo
+        encode = t.is_role(Role.ENCODE)
+        encode_b = self._encode_fit.estimate.b
         return RolePressure(
             predicted_ttft_s=float(ttft_s[prefill].mean()) if prefill.any() else 0.0,
             ttft_target_s=slo.ttft_s or math.inf,
             decode_peak_fraction=float(t.fullness[decode].mean()) if decode.any() else 0.0,
             predicted_tpot_s=float(t.step_base_s[decode].mean()) if decode.any() else 0.0,
             tpot_target_s=slo.tpot_s or math.inf,
+            encode_wait_s=encode_b * float(t.queued_tokens[encode].mean()) if encode.any() else 0.0,
         )
 
     @property
