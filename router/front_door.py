@@ -165,6 +165,7 @@ class _Reservation:
     length_class: LengthClass
     held_tokens: int
     max_tokens: int
+    image_tokens: int = 0  # queued on the plan's encode worker until its first event
 
 
 @dataclass(slots=True)
@@ -283,12 +284,15 @@ class Router:
         elif profile.request_id not in self._observed:
             self._observed.add(profile.request_id)
             self._observe_request(profile)
-        decision = self.policy.plan(profile, self.view(), now_s)
+        view = self.view()
+        decision = self.policy.plan(profile, view, now_s)
         if isinstance(decision, Reject):
             if decision.hold:
                 return Hold(decision.reason, decision.retry_after_s)
             self._observed.discard(profile.request_id)
             return decision
+        if profile.num_images and not hasattr(self.policy, "observe_encode"):
+            decision = _with_encode_worker(decision, view)
         self.reserve(profile, decision)  # observed until ``release(id)``: a re-place is not new
         return decision
 
@@ -317,6 +321,13 @@ class Router:
             if shown is None or _moved(shown, estimate):
                 self._published_links[wid] = estimate
                 self._invalidate(wid)
+
+    def observe_encode(self, worker_id: str, num_image_tokens: int, duration_s: float) -> None:
+        """An encode on ``worker_id`` took ``duration_s`` (worker clock): for a policy
+        that prices encodes (``observe_encode``), the encode term is refitted."""
+        observe = getattr(self.policy, "observe_encode", None)
+        if callable(observe):
+            observe(worker_id, num_image_tokens, duration_s)
 
     def link(self, worker_id: str) -> TransferCoeffs:
         """The worker's link as measured (the profile's until a transfer is seen)."""
@@ -375,6 +386,7 @@ class Router:
             self.classifier.classify(tokens),
             profile.num_prompt_tokens + profile.num_image_tokens,
             profile.max_tokens,
+            profile.num_image_tokens,
         )
         for wid in touched:
             self._by_worker.setdefault(wid, set()).add(rid)
@@ -417,6 +429,9 @@ class Router:
             if r.plan.prefill_worker == wid:
                 queued_tokens[r.length_class] += r.prefill_tokens
                 queued_requests[r.length_class] += 1
+            if r.plan.encode_worker == wid:  # an encode worker's queue: image tokens
+                queued_tokens[LengthClass.SHORT] += r.image_tokens
+                queued_requests[LengthClass.SHORT] += 1
             if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
                 num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
                 running.append(RunningRequest(r.held_tokens, 0, r.max_tokens))
@@ -442,11 +457,23 @@ class Router:
         )
 
 
+def _with_encode_worker(plan: Plan, view: ClusterView) -> Plan:
+    """For a policy that does not price encodes: the encode worker with the fewest
+    queued image tokens, if there is one (an operator who started encode workers
+    wants images encoded there)."""
+    encoders = view.by_role(Role.ENCODE)
+    if not encoders or plan.encode_worker is not None:
+        return plan
+    chosen = min(encoders, key=lambda w: sum(w.queued_tokens.values()))
+    return dataclasses.replace(plan, encode_worker=chosen.worker_id)
+
+
 def _touched(plan: Plan) -> tuple[str, ...]:
     decode = plan.decode_worker or plan.prefill_worker
-    return (
+    touched = (
         (plan.prefill_worker,) if decode == plan.prefill_worker else (plan.prefill_worker, decode)
     )
+    return touched if plan.encode_worker is None else (*touched, plan.encode_worker)
 
 
 def _moved(shown: TransferCoeffs, now: TransferCoeffs) -> bool:

@@ -18,6 +18,9 @@ interval: each role's pressure is predicted TTFT / target (prefill) or the
 larger of peak KV fraction and predicted TPOT / target (decode); pressure is
 taken to scale as ``1/pool size``. A flip happens only when moving one worker
 lowers the larger pressure by more than ``hysteresis``, and never empties a pool.
+With encode workers, the encode pool's pressure (its predicted queue wait / the
+TTFT target) is weighed against prefill's the same way when P and D are balanced:
+one worker moves between the encode and prefill pools.
 """
 
 from __future__ import annotations
@@ -134,6 +137,8 @@ class Flip(enum.StrEnum):
     NONE = "none"
     DECODE_TO_PREFILL = "decode_to_prefill"
     PREFILL_TO_DECODE = "prefill_to_decode"
+    ENCODE_TO_PREFILL = "encode_to_prefill"
+    PREFILL_TO_ENCODE = "prefill_to_encode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +150,15 @@ class RolePressure:
     decode_peak_fraction: float  # estimated peak KV / capacity, averaged over decode workers
     predicted_tpot_s: float
     tpot_target_s: float
+    encode_wait_s: float = 0.0  # predicted queue wait on an encode worker, averaged
 
     @property
     def prefill(self) -> float:
         return self.predicted_ttft_s / self.ttft_target_s
+
+    @property
+    def encode(self) -> float:
+        return self.encode_wait_s / self.ttft_target_s
 
     @property
     def decode(self) -> float:
@@ -162,13 +172,23 @@ class RatioPlanner:
         self._last_flip_s = -math.inf
 
     def decide(
-        self, now_s: float, pressure: RolePressure, num_prefill: int, num_decode: int
+        self,
+        now_s: float,
+        pressure: RolePressure,
+        num_prefill: int,
+        num_decode: int,
+        num_encode: int = 0,
     ) -> Flip:
         if now_s - self._last_flip_s < self.interval_s:
             return Flip.NONE
         p, d = pressure.prefill, pressure.decode
         worst = max(p, d)
         flip = Flip.NONE
+        if num_encode:
+            flip = self._encode_flip(pressure, num_prefill, num_encode, worst)
+            if flip is not Flip.NONE:
+                self._last_flip_s = now_s
+                return flip
         if num_decode > 1 and p > d:
             after = max(p * num_prefill / (num_prefill + 1), d * num_decode / (num_decode - 1))
             if after < worst - self.hysteresis:
@@ -181,6 +201,22 @@ class RatioPlanner:
             self._last_flip_s = now_s
         return flip
 
+    def _encode_flip(
+        self, pressure: RolePressure, num_prefill: int, num_encode: int, worst_pd: float
+    ) -> Flip:
+        """Between the encode and prefill pools, when that lowers the worst pressure."""
+        e, p = pressure.encode, pressure.prefill
+        worst = max(worst_pd, e)
+        if e > p and e >= worst_pd and num_prefill > 1:
+            after = max(e * num_encode / (num_encode + 1), p * num_prefill / (num_prefill - 1))
+            if after < worst - self.hysteresis:
+                return Flip.PREFILL_TO_ENCODE
+        elif p > e and p >= worst_pd and num_encode > 1:
+            after = max(p * num_prefill / (num_prefill + 1), e * num_encode / (num_encode - 1))
+            if after < worst - self.hysteresis:
+                return Flip.ENCODE_TO_PREFILL
+        return Flip.NONE
+
 
 @dataclass(frozen=True, slots=True)
 class RoleFlip:
@@ -192,6 +228,8 @@ class RoleFlip:
 _FLIPS = {
     Flip.DECODE_TO_PREFILL: (Role.DECODE, Role.PREFILL),
     Flip.PREFILL_TO_DECODE: (Role.PREFILL, Role.DECODE),
+    Flip.ENCODE_TO_PREFILL: (Role.ENCODE, Role.PREFILL),
+    Flip.PREFILL_TO_ENCODE: (Role.PREFILL, Role.ENCODE),
 }
 
 
@@ -202,11 +240,13 @@ def choose_flip(
     gives one up (draining workers are not counted). The gateway's rebalancer and the
     simulator both apply this; issue 14's learned rebalancing replaces it here."""
     prefill, decode = view.by_role(Role.PREFILL), view.by_role(Role.DECODE)
-    flip = planner.decide(now_s, pressure, len(prefill), len(decode))
+    encode = view.by_role(Role.ENCODE)
+    flip = planner.decide(now_s, pressure, len(prefill), len(decode), len(encode))
     if flip is Flip.NONE:
         return None
     source, target = _FLIPS[flip]
-    worker = min(prefill if source is Role.PREFILL else decode, key=_busyness)
+    pools = {Role.PREFILL: prefill, Role.DECODE: decode, Role.ENCODE: encode}
+    worker = min(pools[source], key=_busyness)
     return RoleFlip(worker.worker_id, source, target)
 
 

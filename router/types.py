@@ -53,7 +53,8 @@ class RequestProfile:
     num_prompt_tokens: int
     num_new_tokens: int  # prompt tokens left after the predicted prefix hit
     max_tokens: int
-    num_image_tokens: int = 0
+    num_image_tokens: int = 0  # the prompt's image placeholders (not in num_prompt_tokens)
+    num_images: int = 0
     slo: SLO = SLO()
     priority: Priority = Priority.INTERACTIVE
     prefix_hashes: tuple[int, ...] = ()  # hashes of the prompt's full blocks, in order

@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--mixed", type=int, default=0, help="mixed workers added to the P/D cluster")
     g.add_argument(
+        "--encode", type=int, default=None, help="encode workers added (default: the config's, 0)"
+    )
+    g.add_argument(
+        "--image-tokens", type=int, default=576, help="image tokens per image (LLaVA-1.5: 576)"
+    )
+    g.add_argument(
         "--policy", default=None, help="router policy (default: the config's, slo_goodput)"
     )
     g.add_argument("--profile", default=None, help="simulated hardware (default: tiny-cpu)")
@@ -77,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             num_decode=_count(args.decode, served.workers.decode, args.config),
             num_colocated=args.colocated,
             num_mixed=args.mixed,
+            num_encode=args.encode if args.encode is not None else served.workers.encode,
+            image_tokens_per_image=args.image_tokens,
             router=router,
             policy=args.policy,
             profile=profile,

@@ -6,6 +6,10 @@ Event loop (one heap, ordered by time then sequence number)::
     RETRY      a held request asks again      -> router.place(...)
     STEP_END   a worker's step/segment ends   -> tokens advance, finishes recorded
     LANDED     a KV transfer completes        -> decode worker may admit it
+    ENCODED    an encode worker's encode (FIFO per worker) and the embeddings' pull
+               are done -> the request joins its prefill worker's queue; a request
+               with images and no encode worker is encoded by its prefill worker,
+               in its first prefill step
     REBALANCE  every rebalance_interval_s     -> router.plan_flip(now): drain one worker
     FLIPPED    a drained worker's flip is done (flip_latency_s later) -> its new role
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from loadgen.metrics import RequestRecord
 from loadgen.sim.profile import Profile
@@ -34,7 +39,7 @@ from router.types import SLO, Plan, RequestProfile, Role, RunningRequest, StepSa
 
 __all__ = ["SimCluster"]
 
-_ARRIVAL, _RETRY, _STEP_END, _LANDED, _REBALANCE, _FLIPPED = range(6)
+_ARRIVAL, _RETRY, _STEP_END, _LANDED, _REBALANCE, _FLIPPED, _ENCODED = range(7)
 
 _new_running = RunningRequest.__new__
 _set_held = RunningRequest.num_tokens_held.__set__  # type: ignore[attr-defined,misc]
@@ -52,6 +57,13 @@ def _running(held: int, generated: int, max_tokens: int) -> RunningRequest:
     return r
 
 
+@dataclass(frozen=True, slots=True)
+class _Encoding:
+    request: SimRequest
+    encoder_id: str
+    encode_s: float
+
+
 class SimCluster:
     def __init__(
         self,
@@ -67,8 +79,11 @@ class SimCluster:
         make_admission: Callable[[], Admission] | None = None,
         rebalance: bool = False,
         flip_latency_s: float = 0.5,
+        image_tokens_per_image: int = 0,
     ) -> None:
         self.profile = profile
+        self.image_tokens_per_image = image_tokens_per_image
+        self._encoder_free_s: dict[str, float] = {}  # encode worker -> when its queue empties
         self.router = router
         self.slo = slo
         self.prefix_caching = prefix_caching
@@ -145,13 +160,15 @@ class SimCluster:
 
     def _new_request(self, spec: RequestSpec, arrival_s: float) -> SimRequest:
         max_tokens = self.max_tokens if self.max_tokens is not None else spec.output_len
+        num_image_tokens = len(spec.image_sides) * self.image_tokens_per_image
         return SimRequest(
             spec.request_id,
             arrival_s,
-            spec.input_len,
+            spec.input_len + num_image_tokens,
             spec.output_len,
             max(max_tokens, spec.output_len),
             spec.hash_ids if self.prefix_caching else (),
+            num_image_tokens,
         )
 
     def _loop(self) -> None:
@@ -175,6 +192,9 @@ class SimCluster:
             elif kind == _FLIPPED:
                 assert isinstance(payload, SimWorker)
                 self._flipped(payload, now_s)
+            elif kind == _ENCODED:
+                assert isinstance(payload, _Encoding)
+                self._encoded(payload, now_s)
             else:
                 assert isinstance(payload, SimRequest)
                 self._route(payload, now_s)
@@ -190,9 +210,11 @@ class SimCluster:
     def _route(self, req: SimRequest, now_s: float) -> None:
         profile = RequestProfile(
             request_id=req.request_id,
-            num_prompt_tokens=req.input_len,
-            num_new_tokens=req.input_len,
+            num_prompt_tokens=req.input_len - req.num_image_tokens,
+            num_new_tokens=req.input_len - req.num_image_tokens,
             max_tokens=req.max_tokens,
+            num_image_tokens=req.num_image_tokens,
+            num_images=req.num_image_tokens // max(1, self.image_tokens_per_image),
             slo=self.slo,
             prefix_hashes=req.hash_ids,
             arrival_s=req.arrival_s,
@@ -232,8 +254,33 @@ class SimCluster:
         if self.prefix_caching:
             hit = self._cached_prefix_tokens(prefill, req)
             req.prefill_left = req.prefill_total = max(1, req.input_len - hit)
+        if req.num_image_tokens:
+            encode = self.profile.encode
+            encode_s = encode.a + encode.b * req.num_image_tokens
+            if plan.encode_worker is not None:
+                self._encode_remotely(req, plan.encode_worker, encode_s, now_s)
+                return
+            req.encode_s = encode_s
         prefill.enqueue_prefill(req, now_s)
         self.router.release(req.request_id, prefill.worker_id)  # its queue counts it now
+
+    def _encode_remotely(
+        self, req: SimRequest, encoder_id: str, encode_s: float, now_s: float
+    ) -> None:
+        """FIFO on the encode worker, then the embeddings' pull (one link latency)."""
+        start_s = max(now_s, self._encoder_free_s.get(encoder_id, 0.0))
+        self._encoder_free_s[encoder_id] = start_s + encode_s
+        landed_s = start_s + encode_s + self.profile.transfer.latency_s
+        self._push(landed_s, _ENCODED, _Encoding(req, encoder_id, encode_s), 0)
+
+    def _encoded(self, encoding: _Encoding, now_s: float) -> None:
+        req, encoder_id, encode_s = encoding.request, encoding.encoder_id, encoding.encode_s
+        self.router.release(req.request_id, encoder_id)  # as live: at its first event
+        self.router.observe_encode(encoder_id, req.num_image_tokens, encode_s)
+        prefill = req.prefill_worker
+        assert prefill is not None
+        prefill.enqueue_prefill(req, now_s)
+        self.router.release(req.request_id, prefill.worker_id)
 
     def _fail(self, req: SimRequest, error: str, now_s: float) -> None:
         self.num_rejected += 1

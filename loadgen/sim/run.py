@@ -38,6 +38,8 @@ class SimConfig:
     num_decode: int = 1
     num_colocated: int = 0  # > 0: an aggregated cluster of MIXED workers only
     num_mixed: int = 0  # MIXED workers added to a prefill/decode cluster
+    num_encode: int = 0  # ENCODE workers added to a prefill/decode cluster
+    image_tokens_per_image: int = 576  # placeholders per image (LLaVA-1.5: 576)
     # The router as ``baton serve`` builds it (``RouterSettings.from_config`` of the same
     # config file); None: RouterConfig's defaults, seeded with ``profile``.
     router: RouterSettings | None = None
@@ -93,6 +95,7 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         make_admission=_admission_factory(config),
         rebalance=config.rebalance,
         flip_latency_s=config.flip_latency_s,
+        image_tokens_per_image=config.image_tokens_per_image,
     )
     started, started_cpu = time.perf_counter(), time.process_time()
     if config.rate is None:
@@ -121,6 +124,7 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         "num_prefill": roles.count(Role.PREFILL),
         "num_decode": roles.count(Role.DECODE),
         "num_colocated": roles.count(Role.MIXED),
+        "num_encode": roles.count(Role.ENCODE),
         "gpus": len(roles),
         "rate": config.rate.label if config.rate else None,
         "concurrency": config.concurrency,
@@ -168,7 +172,7 @@ def _roles(config: SimConfig) -> list[Role]:
     if config.num_prefill < 1 or config.num_decode < 1:
         raise WorkloadError("need --prefill >= 1 and --decode >= 1, or --colocated N")
     roles = [Role.PREFILL] * config.num_prefill + [Role.DECODE] * config.num_decode
-    return roles + [Role.MIXED] * config.num_mixed
+    return roles + [Role.MIXED] * config.num_mixed + [Role.ENCODE] * config.num_encode
 
 
 def _shares_prefixes(specs: list[RequestSpec]) -> bool:

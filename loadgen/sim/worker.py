@@ -57,12 +57,14 @@ class SimRequest:
     __slots__ = (
         "arrival_s",
         "decode_worker",
+        "encode_s",
         "finish_s",
         "generated",
         "hash_ids",
         "held",
         "input_len",
         "max_tokens",
+        "num_image_tokens",
         "output_len",
         "predicted_ttft_s",
         "prefill_left",
@@ -83,8 +85,11 @@ class SimRequest:
         output_len: int,
         max_tokens: int,
         hash_ids: tuple[int, ...],
+        num_image_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.num_image_tokens = num_image_tokens  # of input_len: image placeholders
+        self.encode_s = 0.0  # an encode its prefill worker runs before its first chunk
         self.arrival_s = arrival_s
         self.input_len = input_len
         self.output_len = output_len
@@ -209,6 +214,9 @@ class SimWorker:
             for req, n in chunks:
                 done = req.prefill_total - req.prefill_left
                 dur += prof.prefill.b * n + prof.prefill.c * ((done + n) ** 2 - done * done)
+                if req.encode_s:  # encode colocated: the images are encoded here first
+                    dur += req.encode_s
+                    req.encode_s = 0.0
             if batch:
                 dur += prof.decode.b * batch + prof.decode.c * context
             self._base, self._inc, self._steps = dur, 0.0, 1

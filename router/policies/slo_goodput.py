@@ -19,7 +19,17 @@ For a request of effective prefill length ``n`` (per worker: its own prefix hit)
    disaggregated plan costs its TTFT. The cheaper feasible plan wins; when the
    transfer breaks TTFT only the colocated one is feasible. Under the spatial
    split a long prompt is never colocated while a long prefill pool exists.
-4. Nothing feasible: an interactive request whose TTFT target is still
+4. *Encode* (requests with images): on the prefill worker itself
+   (``own = encode(m)`` for ``m`` image tokens, the fitted ``a + b·m`` of
+   ``router.encode_fit``), or on the encode worker with the least queued image
+   tokens, where it overlaps the prefill worker's wait:
+   ``remote = max(0, queue_E·b + encode(m) + latency_E − wait_P)``. Remote wins
+   for ``P`` when ``remote ≤ 2·own``: an encode on ``P`` also delays every request
+   queued behind it there by ``own`` (the stall), which a remote encode does not.
+   The plan names the encode worker only when remote won for its prefill worker.
+   While encodes are priced at zero (no profile term, nothing fitted yet) the
+   encode workers are used: the first remote encodes fit the term.
+5. Nothing feasible: an interactive request whose TTFT target is still
    reachable and which has waited less than ``max_hold_s`` is held
    (``Reject(hold=True)``); otherwise it is rejected with a ``Retry-After``,
    and marked not ``retryable`` when its prefill alone, on an idle worker,
@@ -43,6 +53,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, load_profile
+from router.encode_fit import EncodeFit
 from router.estimator import OutputLengthHistory, sample_output_lengths
 from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
 from router.planner import RolePressure
@@ -128,6 +139,7 @@ class SloGoodput:
         )
         self._ring_u = rng.random((_CANDIDATE_RING, self.num_draws))
         self._refresh_history(())
+        self._encode_fit = EncodeFit(self._profile.encode)
 
     # -- feeding -----------------------------------------------------------------------
 
@@ -140,6 +152,10 @@ class SloGoodput:
     def observe_step(self, worker_id: str, sample: StepSample) -> None:
         """Feed a step directly (telemetry with ``end_s`` set is also read from the view)."""
         self.cost_model(worker_id).observe(sample)
+
+    def observe_encode(self, worker_id: str, num_image_tokens: int, duration_s: float) -> None:
+        """An encode worker finished one: the encode term is refitted (one for all)."""
+        self._encode_fit.observe(num_image_tokens, duration_s)
 
     def refresh(self, view: ClusterView) -> None:
         """Bring the per-worker rows up to ``view`` now (e.g. when telemetry arrives),
@@ -159,12 +175,15 @@ class SloGoodput:
         n = mean_prompt_tokens
         ttft_s = t.wait_long_s + t.pa + n * (t.pb + n * t.pc)
         slo = self.default_slo
+        encode = t.is_role(Role.ENCODE)
+        encode_b = self._encode_fit.estimate.b
         return RolePressure(
             predicted_ttft_s=float(ttft_s[prefill].mean()) if prefill.any() else 0.0,
             ttft_target_s=slo.ttft_s or math.inf,
             decode_peak_fraction=float(t.fullness[decode].mean()) if decode.any() else 0.0,
             predicted_tpot_s=float(t.step_base_s[decode].mean()) if decode.any() else 0.0,
             tpot_target_s=slo.tpot_s or math.inf,
+            encode_wait_s=encode_b * float(t.queued_tokens[encode].mean()) if encode.any() else 0.0,
         )
 
     @property
@@ -214,10 +233,11 @@ class SloGoodput:
                 wait_s = np.where(is_long, t.wait_long_s, t.wait_short_s)
             case _:
                 wait_s = t.wait_long_s if is_long else t.wait_short_s
-        encode_s, encode_worker = self._encode(profile)
+        own_encode_s = self._encode_fit.encode_s(profile.num_image_tokens)
+        encode_s, remote, encode_worker = self._encode(profile, wait_s, own_encode_s)
         ttft_local = wait_s + prefill_s
-        if encode_s:
-            ttft_local += encode_s
+        if profile.num_image_tokens > 0:
+            ttft_local = ttft_local + encode_s
 
         # Decode-side checks shared by both kinds of plan: TPOT with the request added,
         # memory bounds of the past-future peak (see ``_pick``).
@@ -265,12 +285,14 @@ class SloGoodput:
         if best is None:
             feasible_decode = decodable & (decode_ok | coloc_ok)
             target_s = ttft_s * headroom if ttft_s is not None else math.inf
-            hopeless = self._best_prefill(t, prefill_s + encode_s) > target_s
+            hopeless = self._best_prefill(t, prefill_s + own_encode_s) > target_s
             return self._refuse(
                 t, ttft_local, feasible_decode, budget_s, elapsed_s, batch, hopeless
             )
         plan = best[1]
-        return plan if encode_worker is None else replace(plan, encode_worker=encode_worker)
+        if encode_worker is None or not self._remote_for(plan.prefill_worker, remote):
+            return plan
+        return replace(plan, encode_worker=encode_worker)
 
     def _prefill_penalty(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray:
         """0 on the prefill workers this request may use, inf elsewhere."""
@@ -300,17 +322,32 @@ class SloGoodput:
             n[index] = np.maximum(1.0, total - blocks * t.block_size[index])
         return n
 
-    def _encode(self, profile: RequestProfile) -> tuple[float, str | None]:
+    def _encode(
+        self, profile: RequestProfile, wait_s: np.ndarray | float, own_s: float
+    ) -> tuple[np.ndarray | float, np.ndarray | bool, str | None]:
+        """Per prefill worker: the TTFT the encode adds, whether it runs remotely, and
+        the encode worker that would run it (see step 4 of the module docstring)."""
         if profile.num_image_tokens <= 0:
-            return 0.0, None
+            return 0.0, False, None
         t = self._table
         mask = t.is_role(Role.ENCODE)
-        enc = self._profile.encode
-        own_s = enc.a + enc.b * profile.num_image_tokens
         if not mask.any() or t.workers is None:
-            return own_s, None
+            return own_s, False, None
         e = int(np.argmin(np.where(mask, t.queued_tokens, np.inf)))
-        return own_s + enc.b * float(t.queued_tokens[e]), t.workers[e].worker_id
+        b = self._encode_fit.estimate.b
+        ready_s = b * float(t.queued_tokens[e]) + own_s + float(t.link_latency_s[e])
+        remote_s = np.maximum(0.0, ready_s - wait_s)
+        # A profile that prices no encode (and nothing fitted yet) defers to the operator,
+        # who started encode workers to use them.
+        remote = remote_s <= 2.0 * own_s if own_s > 0 else np.full_like(t.queued_tokens, True, bool)
+        return np.where(remote, remote_s, own_s), remote, t.workers[e].worker_id
+
+    def _remote_for(self, prefill_worker: str, remote: np.ndarray | bool) -> bool:
+        if not isinstance(remote, np.ndarray):
+            return bool(remote)
+        workers = self._table.workers or ()
+        index = next(i for i, w in enumerate(workers) if w.worker_id == prefill_worker)
+        return bool(remote[index])
 
     def _next_candidate(self) -> np.ndarray:
         row: np.ndarray = self._ring[self._ring_next]

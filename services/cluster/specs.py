@@ -28,13 +28,30 @@ def worker_specs(
 
     Each spec carries the GPUs its actor asks for (``resources.gpus_per_worker``)."""
     w = config.workers
-    if w.encode:
-        log.warning("encode workers are not implemented yet; ignoring workers.encode=%d", w.encode)
     if w.mode == "colocated":
+        if w.encode:
+            log.warning(
+                "workers.encode=%d ignored: encode workers hand embeddings over a KV "
+                "connector, which colocated mode has not (the workers encode their own images)",
+                w.encode,
+            )
         roles = [(Role.MIXED, w.prefill + w.decode + w.mixed)]
         connector_factory = None
     else:
-        roles = [(Role.PREFILL, w.prefill), (Role.DECODE, w.decode), (Role.MIXED, w.mixed)]
+        num_encode = w.encode
+        if num_encode and connector_factory is None:
+            # vLLM moves its own KV and takes no kvtransfer region: its prefilling
+            # workers encode their own images (README, "Images").
+            log.warning(
+                "workers.encode=%d ignored: this backend encodes on its prefill workers", num_encode
+            )
+            num_encode = 0
+        roles = [
+            (Role.ENCODE, num_encode),
+            (Role.PREFILL, w.prefill),
+            (Role.DECODE, w.decode),
+            (Role.MIXED, w.mixed),
+        ]
     return [
         WorkerSpec(
             worker_id=f"{role.value}-{i}",

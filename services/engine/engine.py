@@ -377,6 +377,20 @@ class LLMEngine:
             num_image_cache_hits=self.images.num_cache_hits,
         )
 
+    # -- optional capability: the encode role (services/workers/images.py) ------
+    @property
+    def image_embedding_shape(self) -> tuple[int, int] | None:
+        """``(tokens per image, hidden)`` of this model's image embeddings; None: no images."""
+        vision = self.images.vision
+        if vision is None:
+            return None
+        return vision.num_image_tokens, vision.encoder.multi_modal_projector.linear_2.out_features
+
+    def encode_images(self, images: Sequence[ImageInput]) -> torch.Tensor:
+        """``[N, tokens per image, hidden]``: the images' embeddings, from the
+        encoder-output cache or encoded now (counted in ``stats``)."""
+        return torch.stack([embeds for _, embeds in self.images.resolve(images)])
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 

@@ -3,6 +3,10 @@
     place          router.place(profile, now) -> Plan | Hold | Reject (hold, then 429);
                    the plan stays reserved on a worker until that worker's first
                    event (its telemetry counts the request from then on)
+    encode         a plan with an encode worker (a request with images): Encode on it
+                   -> a handle on the embeddings it holds; the prefilling worker
+                   pulls them (Generate(request, images=handle)) before it prefills.
+                   Without one the prefilling worker encodes the images itself
     colocated      Generate(request) on one worker; stream its deltas
     disaggregated  Generate(prefill_only) on the prefill worker -> first token
                    (streamed at once) + BlockHandle; Continue(request, handle)
@@ -29,6 +33,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
+from kvtransfer.types import BlockHandle
 from router.front_door import Hold, Router
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
 from services.engine.block_hash import compute_block_hashes, image_hash_token_ids
@@ -40,8 +45,11 @@ from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient, WorkerDiedError
 from services.workers.messages import (
     Continue,
+    Encode,
     FailureKind,
     Generate,
+    ImagesEncoded,
+    ImagesPulled,
     Job,
     KVPulled,
     RequestFailed,
@@ -106,11 +114,15 @@ class PlanExecutor:
         images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one has ``finish_reason``; re-plan on failures."""
+        num_image_tokens = sum(image.num_tokens for image in images)
+        num_text_tokens = len(prompt_token_ids) - num_image_tokens
         profile = RequestProfile(
             request_id=request_id,
-            num_prompt_tokens=len(prompt_token_ids),
-            num_new_tokens=len(prompt_token_ids),
+            num_prompt_tokens=num_text_tokens,  # the router adds the image tokens
+            num_new_tokens=num_text_tokens,
             max_tokens=sampling.max_tokens,
+            num_image_tokens=num_image_tokens,
+            num_images=len(images),
             slo=slo or SLO(),
             prefix_hashes=self._prefix_hashes(prompt_token_ids, images),
             priority=priority,
@@ -217,7 +229,7 @@ class PlanExecutor:
         return Overloaded(f"request rejected: {reason}", retry_after_s, should_retry=retryable)
 
     def _plan_is_live(self, plan: Plan) -> bool:
-        names = [plan.prefill_worker, plan.decode_worker]
+        names = [plan.prefill_worker, plan.decode_worker, plan.encode_worker]
         return all(self._clients(n) is not None for n in names if n is not None)
 
     # -- execution ----------------------------------------------------------------------
@@ -233,6 +245,71 @@ class PlanExecutor:
     ) -> AsyncGenerator[TokenDelta, None]:
         """Run one placement; ``placed_id`` names its reservation in the router,
         ``request_id`` the request on the workers (attempts differ)."""
+        embeddings: BlockHandle | None = None
+        encode_id = plan.encode_worker if images and not generated else None
+        try:
+            if encode_id is not None:
+                embeddings = await self._encode(
+                    encode_id, placed_id, request_id, prompt, sampling, images
+                )
+            body = self._run_plan(
+                plan, placed_id, request_id, prompt, generated, sampling, images, embeddings
+            )
+            async with _closing(body) as s:
+                async for delta in s:
+                    yield delta
+        finally:
+            encode_client = self._clients(encode_id) if encode_id is not None else None
+            if encode_client is not None:
+                encode_client.abort(request_id)  # frees the embeddings if nobody pulled them
+
+    async def _encode(
+        self,
+        encode_id: str,
+        placed_id: str,
+        request_id: str,
+        prompt: tuple[int, ...],
+        sampling: SamplingParams,
+        images: tuple[ImageInput, ...],
+    ) -> BlockHandle:
+        """Encode the images on ``encode_id``; the handle of the embeddings it holds."""
+        client = self._clients(encode_id)
+        if client is None:
+            raise WorkerDiedError(encode_id, "not in the registry")
+        request = EngineRequest(request_id, prompt, sampling, images=images)
+        started_s = time.monotonic()
+        events = client.generate(Encode(request))
+        try:
+            async for event in events:
+                self._router.release(placed_id, encode_id)  # its telemetry counts it now
+                match event:
+                    case ImagesEncoded(handle=handle, duration_s=duration_s):
+                        self._metrics.stage_s.labels("encode").observe(time.monotonic() - started_s)
+                        num_image_tokens = sum(image.num_tokens for image in images)
+                        self._router.observe_encode(encode_id, num_image_tokens, duration_s)
+                        return handle
+                    case RequestFailed(kind=FailureKind.INVALID, message=message, param=param):
+                        raise BadRequest(message, param)
+                    case RequestFailed(kind=kind, message=message):
+                        log.warning("request %s on %s: %s", request_id, encode_id, message)
+                        raise _AttemptFailed(kind.value)
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        raise _AttemptFailed("stream_ended")
+
+    async def _run_plan(
+        self,
+        plan: Plan,
+        placed_id: str,
+        request_id: str,
+        prompt: tuple[int, ...],
+        generated: tuple[int, ...],
+        sampling: SamplingParams,
+        images: tuple[ImageInput, ...],
+        embeddings: BlockHandle | None,
+    ) -> AsyncGenerator[TokenDelta, None]:
         if plan.colocated or generated:
             # A continuation after a failure runs where decoding would have run.
             worker_id = plan.decode_worker if generated and plan.decode_worker else None
@@ -241,14 +318,22 @@ class PlanExecutor:
             request = EngineRequest(
                 request_id, prompt, sampling, output_token_ids=generated, images=images
             )
-            stream = self._stream(worker_id, Generate(request), placed_id, prefill=True)
+            job = Generate(request, images=embeddings)
+            stream = self._stream(worker_id, job, placed_id, prefill=True)
             async with _closing(stream) as s:
                 async for delta in s:
                     yield delta
             return
         assert plan.decode_worker is not None
         disaggregated = self._disaggregated(
-            plan.prefill_worker, plan.decode_worker, placed_id, request_id, prompt, sampling, images
+            plan.prefill_worker,
+            plan.decode_worker,
+            placed_id,
+            request_id,
+            prompt,
+            sampling,
+            images,
+            embeddings,
         )
         async with _closing(disaggregated) as s:
             async for delta in s:
@@ -263,13 +348,15 @@ class PlanExecutor:
         prompt: tuple[int, ...],
         sampling: SamplingParams,
         images: tuple[ImageInput, ...],
+        embeddings: BlockHandle | None,
     ) -> AsyncGenerator[TokenDelta, None]:
         completed = False
         try:
             handle = None
             first_tokens: tuple[int, ...] = ()
             request = EngineRequest(request_id, prompt, sampling, prefill_only=True, images=images)
-            prefill = self._stream(prefill_id, Generate(request), placed_id, prefill=True)
+            prefill_job = Generate(request, images=embeddings)
+            prefill = self._stream(prefill_id, prefill_job, placed_id, prefill=True)
             async with _closing(prefill) as s:
                 async for delta in s:
                     first_tokens += delta.token_ids
@@ -334,6 +421,11 @@ class PlanExecutor:
                         first = False
                         finished = delta.finish_reason is not None
                         yield delta
+                    case ImagesPulled(num_bytes=num_bytes, duration_s=duration_s):
+                        first = False
+                        backend = self._config.kv_backend
+                        self._metrics.transfer_bytes.labels(backend).inc(num_bytes)
+                        self._metrics.transfer_s.labels(backend).observe(duration_s)
                     case KVPulled(num_bytes=num_bytes, duration_s=duration_s):
                         first = False
                         backend = self._config.kv_backend

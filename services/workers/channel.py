@@ -29,14 +29,20 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.workers.messages import EventBatch, RequestFailed, TokenDelta, WorkerEvent
+from services.workers.messages import (
+    EventBatch,
+    ImagesEncoded,
+    RequestFailed,
+    TokenDelta,
+    WorkerEvent,
+)
 
 __all__ = ["ChannelClosed", "EventDemux", "Outbox", "coalesce", "is_final"]
 
 
 def is_final(event: WorkerEvent) -> bool:
     """The last event of a request's stream."""
-    return isinstance(event, RequestFailed) or (
+    return isinstance(event, RequestFailed | ImagesEncoded) or (
         isinstance(event, TokenDelta) and event.finish_reason is not None
     )
 

@@ -4,8 +4,10 @@ Engines and connectors are not thread-safe, so everything that reaches them is
 a command on a queue, applied by this thread between steps::
 
     while running:
-        apply commands         add / adopt+pull / abort / release held / snapshot
-        progress transfers     connector.progress(); poll pulls; start adopted
+        apply commands         add / adopt+pull / encode / pull images / abort /
+                               release held / snapshot
+        progress transfers     connector.progress(); poll pulls; start adopted;
+                               add requests whose image embeddings landed
         step the engine        while it has work
         deliver outputs        hold finished prefills; events to the outbox
         send events            one ``on_events`` call per iteration, every request's
@@ -39,8 +41,10 @@ from services.engine.messages import (
     InvalidRequestError,
     RequestOutput,
 )
+from services.workers.images import ImageStage
 from services.workers.messages import (
     Continue,
+    Encode,
     FailureKind,
     Generate,
     Job,
@@ -137,6 +141,9 @@ class EngineLoop:
         self._dirty_since_s = 0.0
         if connector is not None:
             connector.register(KV_REGION, engine.kv_storage, engine.kv_layout)
+        # The encode role's embeddings (region "mm"): held here as an encode worker,
+        # pulled here as a prefill worker (services/workers/images.py).
+        self._images = ImageStage(worker_id, engine, connector)
         self._beat_s = time.monotonic()  # the loop's heartbeat: set every iteration
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
 
@@ -227,7 +234,7 @@ class EngineLoop:
         return self._moves_own_kv and bool(getattr(self._engine, "holds_blocks", bool)())
 
     def _wait_for_work(self) -> None:
-        if self._pulls:
+        if self._pulls or self._images.num_pending_pulls:
             timeout_s = _IDLE_POLL_S
         elif self._engine.has_unfinished():
             timeout_s = 0.001  # blocked on capacity: look again soon
@@ -245,8 +252,13 @@ class EngineLoop:
             except queue.Empty:
                 return
             match command:
+                case _Submit(job=Generate(images=BlockHandle()) as job):
+                    self._pull_images(job)
                 case _Submit(job=Generate(request=request)):
                     self._add(request)
+                case _Submit(job=Encode(request=request)):
+                    self._emit(self._images.encode(request))
+                    self._touch()
                 case _Submit(job=Continue() as job):
                     self._adopt_and_pull(job)
                 case _Abort(request_id=request_id):
@@ -271,6 +283,11 @@ class EngineLoop:
             return
         self._active.add(request_id)
         self._touch()
+
+    def _pull_images(self, job: Generate) -> None:
+        failed = self._images.start_pull(job)
+        if failed is not None:
+            self._emit(failed)
 
     def _adopt_and_pull(self, job: Continue) -> None:
         request_id = job.request.request_id
@@ -315,6 +332,7 @@ class EngineLoop:
         hold_id = self._held.get(request_id)
         if hold_id is not None and self._connector is not None:
             self._connector.release(hold_id)  # fires on_release -> _ReleaseHeld
+        self._images.abort(request_id)
 
     def _progress_transfers(self) -> None:
         if self._connector is None:
@@ -345,6 +363,10 @@ class EngineLoop:
                 self._engine.abort(pull.request_id)
                 self._active.discard(pull.request_id)
                 self._fail(pull.request_id, FailureKind.TRANSFER, "KV pull failed or timed out")
+        for ended in self._images.progress():
+            self._emit(ended.event)
+            if ended.request is not None:
+                self._add(ended.request)
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:
@@ -439,7 +461,7 @@ class EngineLoop:
                 role=role,
                 draining=draining,
                 seq=self._seq,
-                num_pending_pulls=len(self._pulls),
+                num_pending_pulls=len(self._pulls) + self._images.num_pending_pulls,
                 num_finished_requests=self._num_finished,
                 max_num_seqs=self._max_num_seqs,
             ),

@@ -6,10 +6,16 @@ Gateway -> worker (arguments of ``Worker.generate``)::
                                  ``request.prefill_only``) on this worker
     Continue(request, handle)    adopt a request whose prompt KV another worker
                                  holds: pull it through the KVConnector, then decode
+    Encode(request)              encode worker: run the vision tower and projector on
+                                 the request's images, hold the embeddings under a lease
+    Generate(request, images=h)  as Generate, but first pull the images' embeddings
+                                 that an encode worker holds (handle ``h``)
 
 Worker -> gateway, per request and in order::
 
     KVPulled                     only for Continue, once the KV landed
+    ImagesEncoded                only for Encode, final: the embeddings' handle
+    ImagesPulled                 only for Generate with ``images``, once they landed
     TokenDelta ...               one per engine step that produced tokens;
                                  the last has ``finish_reason`` set
     RequestFailed                instead of (or after some) deltas; final
@@ -37,9 +43,12 @@ from services.engine.messages import EngineRequest, FinishReason, TokenLogprob
 
 __all__ = [
     "Continue",
+    "Encode",
     "EventBatch",
     "FailureKind",
     "Generate",
+    "ImagesEncoded",
+    "ImagesPulled",
     "Job",
     "KVPulled",
     "RequestFailed",
@@ -52,6 +61,12 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class Generate:
     request: EngineRequest
+    images: BlockHandle | None = None  # embeddings an encode worker holds for its images
+
+
+@dataclass(frozen=True, slots=True)
+class Encode:
+    request: EngineRequest  # only its images (with their data) matter
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +75,7 @@ class Continue:
     handle: BlockHandle
 
 
-Job = Generate | Continue
+Job = Generate | Continue | Encode
 
 
 class FailureKind(enum.StrEnum):
@@ -99,7 +114,26 @@ class RequestFailed:
     param: str | None = None
 
 
-WorkerEvent = TokenDelta | KVPulled | RequestFailed
+@dataclass(frozen=True, slots=True)
+class ImagesEncoded:
+    """An Encode's last event: the request's image embeddings, held for a puller."""
+
+    request_id: str
+    handle: BlockHandle  # region ``mm``: one slot per image, in prompt order
+    num_images: int
+    num_encoded: int  # of those, run through the encoder now (the rest: cache hits)
+    duration_s: float
+    worker_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ImagesPulled:
+    request_id: str
+    num_bytes: int
+    duration_s: float
+
+
+WorkerEvent = TokenDelta | KVPulled | RequestFailed | ImagesEncoded | ImagesPulled
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
 """Image requests through real Ray workers: six served together equal transformers' generate.
 
-tiny-vl, 32 greedy tokens each, colocated (in-process) and prefill/decode disaggregated
-over ``nixl`` and over ``torch``: the prefill worker encodes the images (encode
-colocated with prefill; dedicated encode workers are not built yet), the decode worker
-pulls the prompt's KV. The oracle is ``transformers``' LlavaForConditionalGeneration
-holding the same weights.
+tiny-vl, 32 greedy tokens each, colocated (in-process: the worker encodes its own
+images) and E/P/D with 1 encode + 1 prefill + 1 decode worker over ``nixl`` and over
+``torch``: the encode worker encodes the images and holds their embeddings, the
+prefill worker pulls them (region ``mm``), the decode worker pulls the prompt's KV.
+The oracle is ``transformers``' LlavaForConditionalGeneration holding the same weights.
+(Prefill workers that encode their own images in P/D: tests/unit/workers and the
+engine tests.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from services.engine.loader import load_model
 from services.engine.messages import SamplingParams
 from services.engine.placeholders import TINY_VL_IMAGE_PROMPT, expand_image_tokens
 from services.workers.messages import TokenDelta
-from tests.support.cluster import real_service, tiny_config
+from tests.support.cluster import real_service, tiny_config, worker_snapshots
 from tests.support.server import ServedGateway
 from tests.unit.engine.llava_twin import image_inputs, png_bytes, random_image, tiny_vl_twin
 
@@ -54,15 +56,16 @@ def colocated() -> Iterator[ServedGateway]:
 
 
 @pytest.fixture  # one cluster at a time: the CI box has two cores
-def nixl_1p1d(ray_cluster: str) -> Iterator[ServedGateway]:
-    config = _config(**{"kvtransfer.backend": "nixl"})
+def nixl_epd(ray_cluster: str) -> Iterator[ServedGateway]:
+    config = _config(**{"kvtransfer.backend": "nixl", "workers.encode": 1})
     with ServedGateway(real_service(config, ray=True, replace_dead=True)) as s:
         yield s
 
 
 @pytest.fixture  # one cluster at a time: the CI box has two cores
-def torch_1p1d(ray_cluster: str) -> Iterator[ServedGateway]:
-    with ServedGateway(real_service(_config(**{"kvtransfer.backend": "torch"}), ray=True)) as s:
+def torch_epd(ray_cluster: str) -> Iterator[ServedGateway]:
+    config = _config(**{"kvtransfer.backend": "torch", "workers.encode": 1})
+    with ServedGateway(real_service(config, ray=True)) as s:
         yield s
 
 
@@ -108,7 +111,9 @@ def expected() -> list[str]:
     return texts
 
 
-async def _chat_all(base_url: str) -> list[str]:
+async def _chat_all(
+    base_url: str, cases: list[tuple[str, list[tuple[int, int, int]]]] = CASES
+) -> list[str]:
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
 
         async def one(text: str, specs: list[tuple[int, int, int]]) -> str:
@@ -125,10 +130,10 @@ async def _chat_all(base_url: str) -> list[str]:
             content: str = r.json()["choices"][0]["message"]["content"]
             return content
 
-        return await asyncio.gather(*(one(t, s) for t, s in CASES))
+        return await asyncio.gather(*(one(t, s) for t, s in cases))
 
 
-@pytest.mark.parametrize("serving", ["colocated", "nixl_1p1d", "torch_1p1d"])
+@pytest.mark.parametrize("serving", ["colocated", "nixl_epd", "torch_epd"])
 def test_six_image_requests_together_equal_transformers(
     serving: str, expected: list[str], request: pytest.FixtureRequest
 ) -> None:
@@ -136,17 +141,29 @@ def test_six_image_requests_together_equal_transformers(
     got = asyncio.run(_chat_all(server.base_url))
     assert got == expected
     assert len(set(expected)) == len(CASES)  # the images and texts really steer the output
+    snapshots = worker_snapshots(server)
+    encoded = {w: s.num_images_encoded for w, s in snapshots.items()}
+    num_images = sum(len(specs) for _, specs in CASES)
+    if serving == "colocated":
+        assert sum(encoded.values()) == num_images
+    else:  # every image was encoded on the encode worker, none on prefill or decode
+        assert encoded == {"encode-0": num_images, "prefill-0": 0, "decode-0": 0}
+        # ... and the same image sent again is served by its encoder-output cache
+        again = asyncio.run(_chat_all(server.base_url, CASES[:1]))
+        assert again == expected[:1]
+        after = worker_snapshots(server)["encode-0"]
+        assert (after.num_images_encoded, after.num_image_cache_hits) == (num_images, 1)
 
 
 def test_a_dead_decode_worker_mid_image_stream_gives_the_same_text(
-    nixl_1p1d: ServedGateway, expected: list[str]
+    nixl_epd: ServedGateway, expected: list[str]
 ) -> None:
     """The continuation re-prefills prompt, images and streamed tokens on a live worker."""
     import ray
 
     text, specs = CASES[1]  # two images
     images = [random_image(*s) for s in specs]
-    tokenizer = nixl_1p1d.svc.tokenizer
+    tokenizer = nixl_epd.svc.tokenizer
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": _content(text, [b""] * len(images))}]
     )
@@ -161,7 +178,7 @@ def test_a_dead_decode_worker_mid_image_stream_gives_the_same_text(
         tokens: list[int] = []
         workers: set[str] = set()
         killed = False
-        stream = nixl_1p1d.svc.generate(
+        stream = nixl_epd.svc.generate(
             "image-death", tuple(prompt), sampling, time.monotonic(), images=inputs
         )
         async for delta in stream:
@@ -169,11 +186,42 @@ def test_a_dead_decode_worker_mid_image_stream_gives_the_same_text(
             tokens.extend(delta.token_ids)
             workers.add(delta.worker_id)
             if not killed and len(tokens) >= 8 and delta.worker_id.startswith("decode"):
-                client = nixl_1p1d.svc.controller.client(delta.worker_id)
+                client = nixl_epd.svc.controller.client(delta.worker_id)
                 ray.kill(client.actor, no_restart=True)  # type: ignore[union-attr]
                 killed = True
         return tokens, workers
 
-    tokens, workers = nixl_1p1d.call(run(), timeout_s=180)
+    tokens, workers = nixl_epd.call(run(), timeout_s=180)
     assert tokenizer.decode(tokens) == expected[1]
-    assert nixl_1p1d.svc.metrics.retries.labels("worker_died")._value.get() >= 1, workers
+    assert nixl_epd.svc.metrics.retries.labels("worker_died")._value.get() >= 1, workers
+
+
+def test_a_dead_encode_worker_holding_embeddings_gives_the_same_text(
+    nixl_epd: ServedGateway, expected: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encode worker dies after it encoded the images, before the prefill pulled
+    them: the pull fails, the request is re-planned and its text is unchanged."""
+    import ray
+
+    svc = nixl_epd.svc
+    executor = svc.executor
+    encode = executor._encode
+    killed: list[str] = []
+
+    async def encode_then_die(encode_id: str, *args: Any) -> Any:
+        handle = await encode(encode_id, *args)
+        if not killed:
+            client = svc.controller.client(encode_id)
+            ray.kill(client.actor, no_restart=True)  # type: ignore[union-attr]
+            killed.append(encode_id)
+        return handle
+
+    monkeypatch.setattr(executor, "_encode", encode_then_die)
+    got = asyncio.run(_chat_all(nixl_epd.base_url, CASES[1:2]))
+    assert killed == ["encode-0"]
+    assert got == expected[1:2]
+    assert sum(c._value.get() for c in _retry_counters(svc)) >= 1
+
+
+def _retry_counters(svc: Any) -> list[Any]:
+    return [svc.metrics.retries.labels(reason) for reason in ("transfer", "worker_died")]

@@ -51,6 +51,30 @@ def test_epd_has_encode_prefill_and_decode_workers() -> None:
     assert min(workers.encode, workers.prefill, workers.decode) >= 1
 
 
+def test_epd_starts_encode_workers_that_hand_embeddings_over_kvtransfer() -> None:
+    from router.types import Role
+    from services.cluster.factories import factories_for
+    from services.cluster.specs import worker_specs
+
+    config = load_config(REPO / "deploy" / "configs" / "epd.yaml")
+    specs = worker_specs(config, *factories_for(config))
+    encoders = [s for s in specs if s.role is Role.ENCODE]
+    assert len(encoders) == config.workers.encode
+    assert all(s.connector_factory is not None for s in encoders)  # region "mm" needs one
+
+
+def test_encode_workers_are_not_started_for_a_backend_that_moves_its_own_kv() -> None:
+    from router.types import Role
+    from services.cluster.factories import factories_for
+    from services.cluster.specs import worker_specs
+
+    config = load_config(REPO / "deploy" / "configs" / "epd.yaml").with_overrides(
+        {"engine.backend": "vllm"}
+    )
+    roles = [s.role for s in worker_specs(config, *factories_for(config))]
+    assert Role.ENCODE not in roles and roles.count(Role.PREFILL) == config.workers.prefill
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_config_names_an_existing_backend(path: Path) -> None:
     from services.backends import BACKENDS

@@ -540,7 +540,7 @@ def test_model_download_init_container_fills_the_volume_the_workers_read(
         assert init_mounts["model"] == main_mounts["model"]["mountPath"]
         assert main_mounts["model"].get("readOnly") is True
         env = {e["name"]: e for e in init["env"]}
-        assert env["MODEL_REPO_ID"]["value"] == "Qwen/Qwen2-VL-7B-Instruct"
+        assert env["MODEL_REPO_ID"]["value"] == "llava-hf/llava-1.5-7b-hf"
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
 
 
@@ -636,3 +636,21 @@ def test_a_given_ray_token_secret_is_used_and_none_is_created(render_fn: Any) ->
             "name": "my-ray-token",
             "key": "t",
         }
+
+
+def test_the_encode_group_starts_encode_workers_with_a_kv_connector(
+    rendered_sets: dict[str, list[dict[str, Any]]],
+) -> None:
+    """epd-values: the chart's config makes the encode group's pods' Ray resources into
+    encode workers, which hold embeddings in kvtransfer region ``mm`` for prefill."""
+    from router.types import Role
+    from services.cluster.factories import factories_for
+    from services.cluster.specs import worker_specs
+
+    config_map = one(_docs(rendered_sets, "epd-values"), "ConfigMap")
+    config = ClusterConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
+    assert config.engine.backend == "embedded" and config.workers.mode == "disaggregated"
+    specs = worker_specs(config, *factories_for(config))
+    encoders = [s for s in specs if s.role is Role.ENCODE]
+    assert len(encoders) == config.workers.encode >= 1
+    assert all(s.connector_factory is not None for s in encoders)

@@ -198,3 +198,27 @@ def test_links_are_priced_from_measured_transfers_and_mixed_workers_by_their_bud
     mixed = replace(snapshot("m", Role.MIXED), prefill_budget_tokens=512)
     r.update(mixed)
     assert r.view().workers[2].prefill_budget_tokens == 512
+
+
+def _image_request(request_id: str, image_tokens: int = 200) -> RequestProfile:
+    return replace(request(request_id), num_image_tokens=image_tokens, num_images=1)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "slo_goodput"])
+def test_image_requests_queue_on_the_least_loaded_encode_worker_until_it_answers(
+    policy: str,
+) -> None:
+    r = router(policy=policy)
+    r.update(snapshot("e0", Role.ENCODE))
+    r.update(snapshot("e1", Role.ENCODE))
+    first = r.place(_image_request("a"), 0.0)
+    second = r.place(_image_request("b"), 0.0)
+    assert isinstance(first, Plan) and isinstance(second, Plan)
+    assert {first.encode_worker, second.encode_worker} == {"e0", "e1"}
+    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
+    assert (queued["e0"], queued["e1"]) == (200, 200)
+    r.release("a", first.encode_worker)  # its encode worker answered
+    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
+    assert queued[first.encode_worker] == 0 and queued[second.encode_worker] == 200
+    text = r.place(request("c"), 0.0)
+    assert isinstance(text, Plan) and text.encode_worker is None  # no images, no encode

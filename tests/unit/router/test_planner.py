@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -101,3 +102,29 @@ def test_pressure_from_a_view_drives_the_flip() -> None:
     assert pressure.prefill == pytest.approx(0.92)
     assert pressure.decode == pytest.approx((0.01 + 2e-4 + 1e-5) / 0.02)  # TPOT dominates
     assert RatioPlanner(hysteresis=0.05).decide(0.0, pressure, 2, 4) is Flip.DECODE_TO_PREFILL
+
+
+def test_encode_pressure_moves_a_worker_between_the_encode_and_prefill_pools() -> None:
+    planner = RatioPlanner(interval_s=10.0, hysteresis=0.1)
+    # Encode queues at 1.2 of the TTFT target, prefill at 0.3, decode at 0.3: one of
+    # the 4 prefill workers encodes: max(1.2·2/3, 0.3·4/3) = 0.8 < 1.2 - 0.1.
+    swamped = replace(_pressure(0.3, 0.3), encode_wait_s=1.2 * 1.0)
+    assert planner.decide(0.0, swamped, 4, 4, num_encode=2) is Flip.PREFILL_TO_ENCODE
+    # Prefill pressed, encoders idle: one encoder prefills (never the last one).
+    idle = replace(_pressure(1.5, 0.3), encode_wait_s=0.0)
+    assert planner.decide(10.0, idle, 2, 4, num_encode=2) is Flip.ENCODE_TO_PREFILL
+    assert planner.decide(20.0, idle, 2, 4, num_encode=1) is Flip.DECODE_TO_PREFILL
+    # Without encode workers the encode term is not looked at.
+    assert RatioPlanner().decide(0.0, swamped, 4, 4) is Flip.NONE
+
+
+def test_encode_pressure_is_the_encode_queue_against_the_ttft_target() -> None:
+    from router.types import Role
+    from tests.unit.router.builders import policy, view, worker
+
+    pol = policy()  # encode b = 1e-5 s per image token; TTFT target 1 s
+    encoders = [worker(f"e{i}", Role.ENCODE, short_tokens=50_000 * (i + 1)) for i in range(2)]
+    v = view(*encoders, worker("p", Role.PREFILL), worker("d", Role.DECODE))
+    pressure = pol.pressure(v, mean_prompt_tokens=100)
+    assert pressure.encode_wait_s == pytest.approx(1e-5 * 75_000)
+    assert pressure.encode == pytest.approx(0.75)

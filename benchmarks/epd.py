@@ -1,0 +1,250 @@
+"""E/P/D against encode-colocated on an image-heavy workload, in the simulator.
+
+Bursts of multi-image requests (``--burstiness`` < 1: gamma arrivals) mixed with text
+chat, on the same number of simulated GPUs two ways:
+
+* ``epd``: a quarter of the GPUs encode, a quarter prefill, half decode;
+* ``encode_colocated``: half prefill (each encoding its own requests' images), half decode.
+
+Both run the real router (``slo_goodput``) and the shipped profile
+``loadgen/profiles/internvl2-26b-h100.json`` (InternViT-6B encoder + InternLM2-20B;
+published sizes, roofline-estimated, sources in the file). For each layout and cluster
+size it sweeps the request rate and reports the p90 TTFT at every rate and the goodput
+at 90% attainment: the highest swept rate whose SLO attainment is at least 90%, with
+the goodput measured there. One JSON object on stdout; ratios are within this run.
+
+    python benchmarks/epd.py                       # 16 and 64 GPUs
+    python benchmarks/epd.py --gpus 16 --num-requests 1500
+    python benchmarks/epd.py --live                # the tiny cluster instead
+
+``--live``: ``baton serve`` with ``tiny-vl`` on CPU, 1 encode + 1 prefill + 1 decode
+worker against 2 prefill + 1 decode (the prefill workers encode), each loaded in turn
+with the same seeded open-loop trace (bursty arrivals, half the requests with 2-8
+images of 336 px, half text chat): p90 TTFT of all requests and of the text-only ones,
+and goodput at the SLO. On a shared CPU box the encoder is tiny and timings are noisy.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this folder leads sys.path and benchmarks/router.py would shadow the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from typing import Any  # noqa: E402
+
+from loadgen.arrivals import RateSpec  # noqa: E402
+from loadgen.metrics import GoodputSLO  # noqa: E402
+from loadgen.scenario import WorkloadConfig  # noqa: E402
+from loadgen.sim.profile import load_profile  # noqa: E402
+from loadgen.sim.run import SimConfig, simulate  # noqa: E402
+
+PROFILE = "internvl2-26b-h100"
+IMAGE_TOKENS = 256  # InternVL2: one 448x448 tile -> 256 image tokens
+SLO = GoodputSLO(ttft_ms=1500, tpot_ms=100)
+ATTAINMENT = 0.9
+
+
+def layouts(gpus: int) -> dict[str, dict[str, int]]:
+    quarter = gpus // 4
+    return {
+        "epd": {"num_encode": quarter, "num_prefill": quarter, "num_decode": gpus - 2 * quarter},
+        "encode_colocated": {"num_prefill": gpus // 2, "num_decode": gpus - gpus // 2},
+    }
+
+
+def workload(num_requests: int, seed: int, burstiness: float) -> WorkloadConfig:
+    return WorkloadConfig(
+        input_len="uniform:64-512",
+        output_len="uniform:32-256",
+        num_requests=num_requests,
+        burstiness=burstiness,
+        seed=seed,
+        images_per_request="uniform:2-8",
+        image_size="448",
+        image_fraction=0.5,
+    )
+
+
+def run_layout(
+    layout: dict[str, int], rates: list[float], base: WorkloadConfig
+) -> list[dict[str, Any]]:
+    profile = load_profile(PROFILE)
+    rows = []
+    for rps in rates:
+        config = SimConfig(
+            workload=base,
+            rate=RateSpec(rps),
+            profile=profile,
+            policy="slo_goodput",
+            slo=SLO,
+            image_tokens_per_image=IMAGE_TOKENS,
+            rebalance=False,  # same layout throughout: the comparison is of layouts
+            **layout,
+        )
+        s = simulate(config).summary
+        rows.append(
+            {
+                "rate_rps": rps,
+                "p90_ttft_ms": s["p90_ttft_ms"],
+                "slo_attainment": s["slo_attainment"],
+                "request_goodput": s["request_goodput"],
+                "rejected": s["rejected"],
+            }
+        )
+    return rows
+
+
+def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    good = [r for r in rows if r["slo_attainment"] >= ATTAINMENT]
+    if not good:
+        return {"rate_rps": None, "request_goodput": 0.0, "p90_ttft_ms": None}
+    best = max(good, key=lambda r: r["rate_rps"])
+    return {k: best[k] for k in ("rate_rps", "request_goodput", "p90_ttft_ms")}
+
+
+LIVE_SLO = GoodputSLO(ttft_ms=2000, tpot_ms=200)
+LIVE_LAYOUTS = {
+    "epd": {"encode": 1, "prefill": 1, "decode": 1},
+    "encode_colocated": {"encode": 0, "prefill": 2, "decode": 1},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _serve(layout: dict[str, int], port: int, folder: Path) -> subprocess.Popen[bytes]:
+    config = {
+        "model": {"name": "tiny-vl"},
+        "engine": {"device": "cpu", "num_threads": 1, "block_size": 4},
+        "workers": {"mode": "disaggregated", "mixed": 0, "num_cpus": 0, **layout},
+        "kvtransfer": {"backend": "nixl"},
+        "router": {"policy": "slo_goodput"},
+        "gateway": {"host": "127.0.0.1", "port": port},
+    }
+    path = folder / f"serve-{port}.json"  # JSON is YAML
+    path.write_text(json.dumps(config))
+    log = (folder / f"serve-{port}.log").open("wb")
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--config", str(path)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"baton serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("baton serve not ready in time")
+
+
+def live(args: argparse.Namespace) -> dict[str, Any]:
+    from loadgen.client import BenchConfig, run_bench
+    from loadgen.metrics import compute_summary
+
+    base = replace(
+        workload(args.num_requests, args.seed, args.burstiness),
+        input_len="uniform:16-64",
+        output_len="uniform:8-24",
+        image_size="336",
+    )
+    out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rate": args.rate}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, layout in LIVE_LAYOUTS.items():
+            port = _free_port()
+            proc = _serve(layout, port, Path(tmp))
+            try:
+                url = f"http://127.0.0.1:{port}"
+                _wait_ready(url, proc)
+                config = BenchConfig(url, base, RateSpec(args.rate), endpoint="chat", slo=LIVE_SLO)
+                result = run_bench(config)
+            finally:
+                proc.terminate()
+                proc.wait(60)
+            from loadgen.scenario import build_requests
+
+            images = {
+                s.request_id for s in build_requests(base, RateSpec(args.rate)) if s.image_sides
+            }
+            text = [r for r in result.records if r.request_id not in images]
+            text_summary = compute_summary(text, 1.0, LIVE_SLO)
+            s = result.summary
+            out[name] = {
+                "layout": layout,
+                "p90_ttft_ms": s["p90_ttft_ms"],
+                "text_p90_ttft_ms": text_summary["p90_ttft_ms"],
+                "request_goodput": s["request_goodput"],
+                "slo_attainment": s["slo_attainment"],
+                "failed": sum(not r.success for r in result.records),
+            }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--burstiness", type=float, default=0.25)
+    parser.add_argument("--rates-per-gpu", type=float, nargs="+", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--live", action="store_true", help="the tiny cluster, not the sim")
+    parser.add_argument("--rate", type=float, default=4.0, help="--live: requests per second")
+    args = parser.parse_args()
+    if args.live:
+        started_cpu = time.process_time()
+        result = live(args)
+        result["client_cpu_s"] = time.process_time() - started_cpu
+        print(json.dumps(result, indent=2))
+        return
+    per_gpu = args.rates_per_gpu or [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5]
+    started_cpu = time.process_time()
+    out: dict[str, Any] = {
+        "profile": PROFILE,
+        "slo_ms": SLO.as_dict(),
+        "attainment": ATTAINMENT,
+        "image_tokens_per_image": IMAGE_TOKENS,
+        "results": {},
+    }
+    for gpus in args.gpus:
+        base = workload(args.num_requests, args.seed, args.burstiness)
+        rates = [round(r * gpus, 3) for r in per_gpu]
+        entry: dict[str, Any] = {}
+        for name, layout in layouts(gpus).items():
+            rows = run_layout(layout, rates, replace(base))
+            entry[name] = {
+                "layout": layout,
+                "sweep": rows,
+                "at_90": goodput_at_attainment(rows),
+            }
+        epd, coloc = entry["epd"]["at_90"], entry["encode_colocated"]["at_90"]
+        entry["goodput_ratio_epd_over_colocated"] = (
+            epd["request_goodput"] / coloc["request_goodput"] if coloc["request_goodput"] else None
+        )
+        out["results"][str(gpus)] = entry
+    out["sim_cpu_s"] = time.process_time() - started_cpu
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

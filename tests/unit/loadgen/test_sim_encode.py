@@ -1,0 +1,81 @@
+"""The simulator's encode stage, against timelines computed by hand.
+
+A request with images is encoded on the plan's encode worker (FIFO there, then one
+link latency for the embeddings) before it joins its prefill worker's queue, or, with
+no encode worker, by its prefill worker in its first prefill step, where it also
+holds up the requests queued behind it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.arrivals import RateSpec
+from loadgen.sim import SimConfig, simulate_specs
+from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs
+from loadgen.workload import RequestSpec
+from router.cost_model import EncodeCoeffs
+
+PROFILE = Profile(
+    model="hand",
+    hardware="paper",
+    prefill=QuadCoeffs(0.01, 0.001, 0.0),
+    decode=QuadCoeffs(0.01, 0.0, 0.0001),
+    transfer=TransferCoeffs(bandwidth_bytes_per_s=1e6, latency_s=0.005),
+    kv_bytes_per_token=100,
+    num_kv_blocks=1000,
+    block_size=16,
+    max_num_seqs=8,
+    encode=EncodeCoeffs(a=0.02, b=0.001),
+)
+PER_IMAGE = 10  # image tokens per image
+
+
+def _config(**kw: object) -> SimConfig:
+    kw.setdefault("policy", "round_robin")
+    return SimConfig(
+        rate=RateSpec(1.0),
+        profile=PROFILE,
+        num_prefill=1,
+        num_decode=1,
+        image_tokens_per_image=PER_IMAGE,
+        rebalance=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _ttfts(config: SimConfig, specs: list[RequestSpec]) -> dict[str, float]:
+    result = simulate_specs(config, specs)
+    assert all(r.success for r in result.records)
+    return {r.request_id: r.ttft_s for r in result.records if r.ttft_s is not None}
+
+
+IMAGE = RequestSpec("img", 0.0, 80, 3, image_sides=(448, 448))  # 80 text + 20 image tokens
+TEXT = RequestSpec("txt", 0.001, 50, 3)
+
+
+def test_an_encode_worker_encodes_before_the_prefill_queue() -> None:
+    ttft = _ttfts(_config(num_encode=1), [IMAGE])["img"]
+    # encode 0.02 + 20 x 0.001, the embeddings' latency 0.005, prefill 0.01 + 100 x 0.001
+    assert ttft == pytest.approx(0.04 + 0.005 + 0.11)
+
+
+def test_without_an_encode_worker_the_prefill_worker_encodes_and_the_queue_waits() -> None:
+    ttft = _ttfts(_config(), [IMAGE, TEXT])
+    assert ttft["img"] == pytest.approx(0.04 + 0.11)
+    # The text request arrived during that step: it waits for the encode and the prefill.
+    assert ttft["txt"] == pytest.approx(0.15 - 0.001 + 0.01 + 50 * 0.001)
+
+
+def test_with_an_encode_worker_a_text_request_is_not_held_up_by_an_encode() -> None:
+    ttft = _ttfts(_config(num_encode=1), [IMAGE, TEXT])
+    assert ttft["txt"] == pytest.approx(0.01 + 50 * 0.001)  # the prefill worker was idle
+    colocated = _ttfts(_config(), [IMAGE, TEXT])
+    assert ttft["txt"] < colocated["txt"]
+
+
+def test_slo_goodput_uses_an_idle_encode_worker() -> None:
+    ttft = _ttfts(_config(num_encode=1, policy="slo_goodput"), [IMAGE, TEXT])
+    assert ttft["txt"] == pytest.approx(0.01 + 50 * 0.001)
+    # Its embeddings land at 0.045, behind the text prefill (0.001 to 0.061): FIFO.
+    assert ttft["img"] == pytest.approx(0.061 + 0.11)
