@@ -182,8 +182,8 @@ def test_bench_zero_failed_and_close_to_simulation(server: tuple[str, str], tmp_
     print(json.dumps({"fidelity": policy, **{k: {"live": live[k], "sim": sim[k]} for k in keys}}))
     # Issue 13's bound on every key, not widened. Two runs on the 2-core VM beside other
     # work (load 4-9), sim against live: round_robin TTFT +11% / -5%, TPOT -6% / +6%;
-    # slo_goodput TTFT -7% / -14%, TPOT -16% / -17% (the closest to the bound: the
-    # simulator under-prices the decode steps that carry a colocated prefill's chunks);
+    # slo_goodput TTFT -7% / -14%, TPOT -16% / -17% (the closest to the bound; probably the
+    # simulator under-prices decode steps that carry a colocated prefill's chunks, unchecked);
     # goodput and throughput within 1%.
     for key in keys:
         assert sim[key] == pytest.approx(live[key], rel=0.2), (key, sim[key], live[key], profile)
