@@ -63,7 +63,9 @@ class WorkerTable:
         self._cost_model_for = cost_model_for
         self._rng = rng
         self._last_step_end_s: dict[str, float] = {}
-        self._peak_cache: dict[str, tuple[tuple[RunningRequest, ...], np.ndarray, PeakTable]] = {}
+        # Per worker, its two most recent running sets (newest first): a reservation's
+        # and, once released, the report's own again (see ``_running_entry``).
+        self._running_cache: dict[str, list[_RunningEntry]] = {}
         self.sorted_history: np.ndarray = np.zeros(0)
         self.workers: tuple[WorkerView, ...] | None = None
         self.prefix_index = PrefixIndex()
@@ -144,8 +146,8 @@ class WorkerTable:
         self.block_size[i] = w.block_size
         self.queued_tokens[i] = sum(w.queued_tokens.values())
 
-        rows = _running_rows(w.running)
-        held_total = float(rows[:, 0].sum())
+        entry = self._running_entry(w)
+        held_total = entry.held_total
         coeffs, queue_coeffs, budget = self._prefill_curve(w, model, held_total)
         p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
         self.pa[i], self.pb[i], self.pc[i] = (
@@ -186,7 +188,7 @@ class WorkerTable:
         self.batch_limit_tokens[i] = s.batch_memory_fraction * capacity - other
 
         if w.role is Role.DECODE or w.role in s.colocate_roles:
-            table = self._peak_table(w, rows)
+            table = self._peak_table(entry)
             self.tables[i] = table
             self.peak_tokens[i] = table.peak_tokens
         else:
@@ -237,17 +239,32 @@ class WorkerTable:
         own = QuadCoeffs(step_s, coeffs.b + step_s / chunk, coeffs.c)
         return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
-    def _peak_table(self, w: WorkerView, rows: np.ndarray) -> PeakTable:
-        """Reused while the running set is the same object and H has not changed
-        (a snapshot that only moved queues or free blocks)."""
-        cached = self._peak_cache.get(w.worker_id)
-        if cached is not None and cached[0] is w.running and cached[1] is self.sorted_history:
-            return cached[2]
+    def _running_entry(self, w: WorkerView) -> _RunningEntry:
+        """The worker's running set as rows, with its peak table, kept while the set is
+        the same object: a snapshot that moved only queues or free blocks, or a
+        reservation released (the router then shows the report's own tuple again), finds
+        the rows and draws it had; only a new running set is drawn afresh."""
+        entries = self._running_cache.setdefault(w.worker_id, [])
+        for k, entry in enumerate(entries):
+            if entry.running is w.running:
+                if k:
+                    entries.insert(0, entries.pop(k))
+                return entry
+        rows = _running_rows(w.running)
+        entry = _RunningEntry(w.running, rows, float(rows[:, 0].sum()))
+        entries.insert(0, entry)
+        del entries[2:]
+        return entry
+
+    def _peak_table(self, entry: _RunningEntry) -> PeakTable:
+        """Reused while H has not changed."""
+        if entry.table is not None and entry.history is self.sorted_history:
+            return entry.table
+        rows = entry.rows
         u = self._rng.random((self.settings.num_draws, len(rows)))
         r = remaining_tokens(self.sorted_history, rows[:, 1], rows[:, 2], u)
-        table = PeakTable(r, rows[:, 0])
-        self._peak_cache[w.worker_id] = (w.running, self.sorted_history, table)
-        return table
+        entry.table, entry.history = PeakTable(r, rows[:, 0]), self.sorted_history
+        return entry.table
 
     def _ingest_steps(self, w: WorkerView, model: CostModel) -> None:
         last = self._last_step_end_s.get(w.worker_id, -np.inf)
@@ -268,6 +285,15 @@ class WorkerTable:
             mask |= self.role == _ROLE_CODES[role]
         result: np.ndarray = mask & self.usable
         return result
+
+
+@dataclass(slots=True)
+class _RunningEntry:
+    running: tuple[RunningRequest, ...]
+    rows: np.ndarray  # (c, g, M) per running request
+    held_total: float
+    table: PeakTable | None = None  # drawn against ``history``
+    history: np.ndarray | None = None
 
 
 def _running_rows(running: Sequence[RunningRequest]) -> np.ndarray:

@@ -180,12 +180,10 @@ def test_bench_zero_failed_and_close_to_simulation(server: tuple[str, str], tmp_
     live = compute_summary(records, ROUNDS * result.summary["duration"], slo)
     keys = ("median_ttft_ms", "median_tpot_ms", "request_goodput", "request_throughput")
     print(json.dumps({"fidelity": policy, **{k: {"live": live[k], "sim": sim[k]} for k in keys}}))
-    # Issue 13 asks for 20% on every key. Since the merged serving path (one channel
-    # message per engine step, issue 15), p50 TTFT of a light load sits 13-25% off the
-    # simulated one on a quiet 2-core box in either direction (measured in clean-clone
-    # runs), so TTFT is held to 35% until issue 13's fidelity work closes that gap;
-    # TPOT, goodput and throughput keep the 20% bound.
-    bounds = {"median_ttft_ms": 0.35}
+    # Issue 13's bound on every key, not widened. Two runs on the 2-core VM beside other
+    # work (load 4-9), sim against live: round_robin TTFT +11% / -5%, TPOT -6% / +6%;
+    # slo_goodput TTFT -7% / -14%, TPOT -16% / -17% (the closest to the bound; probably the
+    # simulator under-prices decode steps that carry a colocated prefill's chunks, unchecked);
+    # goodput and throughput within 1%.
     for key in keys:
-        rel = bounds.get(key, 0.2)
-        assert sim[key] == pytest.approx(live[key], rel=rel), (key, sim[key], live[key], profile)
+        assert sim[key] == pytest.approx(live[key], rel=0.2), (key, sim[key], live[key], profile)

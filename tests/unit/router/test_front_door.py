@@ -222,3 +222,24 @@ def test_image_requests_queue_on_the_least_loaded_encode_worker_until_it_answers
     assert queued[first.encode_worker] == 0 and queued[second.encode_worker] == 200
     text = r.place(request("c"), 0.0)
     assert isinstance(text, Plan) and text.encode_worker is None  # no images, no encode
+
+
+def test_a_released_reservation_brings_back_the_workers_peak_table_undrawn() -> None:
+    """The decode worker's past-future table is drawn once per running set: placing a
+    request draws one with the request added, and releasing it shows the report's own
+    running set again, whose table (and draws) come back instead of being redrawn."""
+    running = tuple(RunningRequest(200 + 10 * i, 5 * i, 300) for i in range(8))
+    r = router()
+    r.update(snapshot("d", Role.DECODE, seq=2, running=running))
+    r.observe_outcome(100)
+    policy: Any = r.policy
+    policy.refresh(r.view())
+    table = policy._table.tables[1]
+    plan = r.place(request("a"), 0.0)
+    assert isinstance(plan, Plan) and plan.decode_worker == "d"
+    policy.refresh(r.view())
+    reserved = policy._table.tables[1]
+    assert reserved is not table and reserved.num_running == len(running) + 1
+    r.release("a")
+    policy.refresh(r.view())
+    assert policy._table.tables[1] is table
