@@ -142,11 +142,14 @@ class PlanExecutor:
         images: tuple[ImageInput, ...],
         detokenizer: IncrementalDetokenizer,
     ) -> AsyncGenerator[TokenDelta, None]:
-        """Place and run the request, placing it again (at most ``max_attempts`` times)
-        after a failure; ends after the delta with ``finish_reason``."""
+        """Place and run the request, placing it again after a failure (at most
+        ``max_attempts`` failures) or a decode worker without room (not a failure: as
+        often as it takes); ends after the delta with ``finish_reason``."""
         request_id = profile.request_id
         generated: list[int] = []
-        for attempt in range(self._config.max_attempts):
+        num_failures = 0  # failures of a worker or a pull; "no room" is not one
+        attempt = 0
+        while num_failures < self._config.max_attempts:
             attempt_id = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
             placing = profile if attempt == 0 else _replaced(profile, len(generated))
             plan = await self._place(placing, replaced=attempt > 0)
@@ -171,6 +174,14 @@ class PlanExecutor:
             except _AttemptFailed as e:
                 reason = e.reason
             self._metrics.retries.labels(reason).inc()
+            attempt += 1
+            if reason != FailureKind.CAPACITY.value:
+                num_failures += 1
+                continue
+            # No room on the decode worker is nobody's failure: the request is re-placed
+            # (another worker, or this one as a whole request that waits in its queue)
+            # however often it takes; the request's own deadline bounds it.
+            await asyncio.sleep(self._config.hold_poll_s)
         raise ServiceFailure(f"request failed on {self._config.max_attempts} placements; giving up")
 
     def _prefix_hashes(

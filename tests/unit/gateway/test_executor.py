@@ -269,3 +269,25 @@ async def test_the_router_learns_the_link_and_holds_no_reservation_after_a_reque
         link = router.link(worker_id)
         assert link != seed and link.bandwidth_bytes_per_s < 4_000_000 / 0.49
     assert router.num_reservations() == 0
+
+
+async def test_no_room_on_the_decode_worker_is_re_placed_as_often_as_it_takes() -> None:
+    """Decode memory is full for longer than ``max_attempts`` placements: the request is
+    re-placed each time (never a 4xx/5xx for lack of decode memory) and completes once room
+    frees; a real failure still counts against ``max_attempts``."""
+    no_room = RequestFailed("r", FailureKind.CAPACITY, "no room to adopt: 9 blocks needed")
+    num_full = 5  # > max_attempts (3)
+
+    def decode(job: Job) -> list[WorkerEvent]:
+        if len(d.jobs) <= num_full:
+            return [no_room]
+        return [delta(B), delta(C), delta(D, FinishReason.LENGTH)]
+
+    p = ScriptedWorker("p", prefill_script)
+    d = ScriptedWorker("d", decode)
+    executor, metrics, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    out = await collect(executor)
+    assert "".join(x.text for x in out) == "abcd"
+    assert len(d.jobs) == num_full + 1
+    assert metrics.retries.labels("capacity")._value.get() == num_full
+    assert executor._router.num_reservations() == 0
