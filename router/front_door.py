@@ -24,9 +24,11 @@ Pure like the rest of ``router``: no Ray, HTTP, torch or clock reads; ``now_s`` 
 passed in. A worker report is anything shaped like ``services.workers.messages.
 WorkerSnapshot`` (``WorkerReport`` below), so this module imports nothing of services.
 
-Hook for learning from outcomes (issue 14): ``observe_outcome`` is the one place
-where a finished request's measured TTFT/TPOT reaches the router; today it feeds
-the output-length history, and online correction of the cost model belongs there.
+Learning from outcomes: ``observe_outcome`` is the one place where a finished
+request's output length (the KV estimator's history) and its measured TTFT/TPOT against
+its plan's predictions (``router.correction.Outcome``) reach the router; the latter
+correct each worker's predictions, and ``router.admission`` refuses at ``place`` what
+the corrected predictions say will miss.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from router.admission import Admission, AdmissionSettings
+from router.correction import Outcome, OutcomeCorrector
 from router.cost_model import DEFAULT_PROFILE, Profile, TransferCoeffs, load_profile
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import LinkFit
@@ -64,6 +68,7 @@ _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes pref
 # the fit, and rebuilding both ends' rows for every nudge would double the view's work.
 _LINK_TOLERANCE = 0.05
 _DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
+_DEFAULT_ADMISSION = AdmissionSettings()
 
 
 class WorkerReport(Protocol):
@@ -117,6 +122,7 @@ class RouterSettings:
     rebalance_interval_s: float = 10.0
     colocate_roles: tuple[Role, ...] = (Role.MIXED, Role.DECODE)  # may run a whole request
     seed: int = 0
+    admission: AdmissionSettings = _DEFAULT_ADMISSION
 
     @classmethod
     def from_config(cls, config: Any, profile: Profile | None = None) -> RouterSettings:
@@ -199,6 +205,8 @@ class Router:
         self._published_links: dict[str, TransferCoeffs] = {}  # what the view shows
         self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
+        self.corrector = OutcomeCorrector()
+        self.admission = Admission(settings.admission, self.corrector)
 
     # -- telemetry ---------------------------------------------------------------------
     def update(self, report: WorkerReport) -> None:
@@ -214,6 +222,8 @@ class Router:
             self._workers[wid] = _Worker(report, digest)
             self._slots = None
         else:
+            if known.report.role != report.role:
+                self.corrector.forget(wid)  # its predictions are a new role's now
             if known.report.prefix_digest != report.prefix_digest:
                 known.digest = frozenset(report.prefix_digest)
             known.report = report
@@ -230,6 +240,7 @@ class Router:
             self._drop_reservation(request_id)
         self._links.pop(worker_id, None)
         self._published_links.pop(worker_id, None)
+        self.corrector.forget(worker_id)
 
     def is_alive(self, worker_id: str) -> bool:
         return worker_id in self._workers
@@ -237,11 +248,12 @@ class Router:
     def reports(self) -> dict[str, WorkerReport]:
         return {wid: w.report for wid, w in self._workers.items()}
 
-    def observe_outcome(self, output_len: int) -> None:
-        """A finished request's output length (the history H of the KV estimator).
-
-        Issue 14 hook: measured TTFT/TPOT per plan would be fed here to correct the
-        cost model online."""
+    def observe_outcome(self, output_len: int, outcome: Outcome | None = None) -> None:
+        """A finished request's output length (the history H of the KV estimator) and,
+        if measured, its TTFT/TPOT against its plan's predictions (the corrections
+        that admission prices plans with)."""
+        if outcome is not None:
+            self.corrector.observe(outcome)
         self._output_lens.append(output_len)
         self._output_tuple = ()
         self._view = None
@@ -289,6 +301,11 @@ class Router:
                 return Hold(decision.reason, decision.retry_after_s)
             self._observed.discard(profile.request_id)
             return decision
+        if not replaced:  # a re-placement continues a started stream: never refused here
+            refusal = self.admission.judge(profile, decision, now_s, self.settings.default_slo)
+            if refusal is not None:
+                self._observed.discard(profile.request_id)
+                return refusal
         self.reserve(profile, decision)  # observed until ``release(id)``: a re-place is not new
         return decision
 
