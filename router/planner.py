@@ -15,9 +15,24 @@
 
 *Flipping* one worker between roles (``RatioPlanner.decide``), at most once per
 interval: each role's pressure is predicted TTFT / target (prefill) or the
-larger of peak KV fraction and predicted TPOT / target (decode); pressure is
-taken to scale as ``1/pool size``. A flip happens only when moving one worker
-lowers the larger pressure by more than ``hysteresis``, and never empties a pool.
+larger of peak KV fraction and predicted TPOT / target (decode); a mixed
+worker's is the larger of its TTFT and its chunked-step TPOT against their
+targets. Pressure is taken to scale as ``1/pool size``. Both ways:
+
+* prefill <-> decode when moving one worker lowers the larger pressure by more
+  than ``hysteresis`` (never emptying a pool);
+* dedicated -> mixed when that is not possible (the giving pool has one worker)
+  but pooling the load over every worker, ``(p·n_p + d·n_d)/(n_p + n_d)``, would
+  lower the worst pressure by more than ``hysteresis``: the least pressed role
+  gives a worker first, so a 1 prefill + 1 decode cluster becomes 2 mixed in two
+  steps;
+* mixed -> dedicated when the mixed workers miss their targets (pressure above
+  ``1 + hysteresis``: chunked prefills slow their decodes) and the dedicated
+  pools have room: to prefill if TTFT is the larger miss, else to decode, never
+  leaving no worker that can prefill or decode.
+
+A worker that flipped stays in its role for ``min_dwell_s`` (``choose_flip``
+skips it); the drain before a flip is the applier's (controller or simulator).
 """
 
 from __future__ import annotations
@@ -134,6 +149,10 @@ class Flip(enum.StrEnum):
     NONE = "none"
     DECODE_TO_PREFILL = "decode_to_prefill"
     PREFILL_TO_DECODE = "prefill_to_decode"
+    PREFILL_TO_MIXED = "prefill_to_mixed"
+    DECODE_TO_MIXED = "decode_to_mixed"
+    MIXED_TO_PREFILL = "mixed_to_prefill"
+    MIXED_TO_DECODE = "mixed_to_decode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +164,8 @@ class RolePressure:
     decode_peak_fraction: float  # estimated peak KV / capacity, averaged over decode workers
     predicted_tpot_s: float
     tpot_target_s: float
+    mixed_ttft_s: float = 0.0  # averaged over mixed workers (0: none)
+    mixed_tpot_s: float = 0.0  # their decode step with a prefill chunk in it
 
     @property
     def prefill(self) -> float:
@@ -154,32 +175,115 @@ class RolePressure:
     def decode(self) -> float:
         return max(self.decode_peak_fraction, self.predicted_tpot_s / self.tpot_target_s)
 
+    @property
+    def mixed_ttft(self) -> float:
+        return self.mixed_ttft_s / self.ttft_target_s
+
+    @property
+    def mixed_tpot(self) -> float:
+        return self.mixed_tpot_s / self.tpot_target_s
+
+    @property
+    def mixed(self) -> float:
+        return max(self.mixed_ttft, self.mixed_tpot)
+
 
 class RatioPlanner:
-    def __init__(self, interval_s: float = 10.0, hysteresis: float = 0.1) -> None:
+    def __init__(
+        self, interval_s: float = 10.0, hysteresis: float = 0.1, min_dwell_s: float | None = None
+    ) -> None:
         self.interval_s = interval_s
         self.hysteresis = hysteresis
+        self.min_dwell_s = 3 * interval_s if min_dwell_s is None else min_dwell_s
         self._last_flip_s = -math.inf
+        self._flipped_s: dict[str, float] = {}  # worker -> when it last flipped
 
     def decide(
-        self, now_s: float, pressure: RolePressure, num_prefill: int, num_decode: int
+        self,
+        now_s: float,
+        pressure: RolePressure,
+        num_prefill: int,
+        num_decode: int,
+        num_mixed: int = 0,
     ) -> Flip:
         if now_s - self._last_flip_s < self.interval_s:
             return Flip.NONE
-        p, d = pressure.prefill, pressure.decode
-        worst = max(p, d)
-        flip = Flip.NONE
-        if num_decode > 1 and p > d:
-            after = max(p * num_prefill / (num_prefill + 1), d * num_decode / (num_decode - 1))
-            if after < worst - self.hysteresis:
-                flip = Flip.DECODE_TO_PREFILL
-        elif num_prefill > 1 and d > p:
-            after = max(d * num_decode / (num_decode + 1), p * num_prefill / (num_prefill - 1))
-            if after < worst - self.hysteresis:
-                flip = Flip.PREFILL_TO_DECODE
+        if num_mixed:
+            flip = self._from_mixed(pressure, num_prefill, num_decode, num_mixed)
+        else:
+            flip = self._between_pools(pressure, num_prefill, num_decode)
+        if flip is Flip.NONE:
+            flip = self._to_mixed(pressure, num_prefill, num_decode, num_mixed)
         if flip is not Flip.NONE:
             self._last_flip_s = now_s
         return flip
+
+    def may_flip(self, worker_id: str, now_s: float) -> bool:
+        """Past its minimum dwell in the role it has."""
+        return now_s - self._flipped_s.get(worker_id, -math.inf) >= self.min_dwell_s
+
+    def record_flip(self, worker_id: str, now_s: float) -> None:
+        self._flipped_s[worker_id] = now_s
+
+    def _between_pools(self, pressure: RolePressure, num_prefill: int, num_decode: int) -> Flip:
+        p, d = pressure.prefill, pressure.decode
+        worst = max(p, d)
+        if num_decode > 1 and p > d:
+            after = max(p * num_prefill / (num_prefill + 1), d * num_decode / (num_decode - 1))
+            if after < worst - self.hysteresis:
+                return Flip.DECODE_TO_PREFILL
+        elif num_prefill > 1 and d > p:
+            after = max(d * num_decode / (num_decode + 1), p * num_prefill / (num_prefill - 1))
+            if after < worst - self.hysteresis:
+                return Flip.PREFILL_TO_DECODE
+        return Flip.NONE
+
+    def _to_mixed(
+        self, pressure: RolePressure, num_prefill: int, num_decode: int, num_mixed: int
+    ) -> Flip:
+        """Pool the load when a dedicated flip cannot (or did not) help."""
+        pools = [(pressure.prefill, num_prefill, Flip.PREFILL_TO_MIXED)]
+        pools.append((pressure.decode, num_decode, Flip.DECODE_TO_MIXED))
+        if num_mixed:
+            if pressure.mixed > 1.0:
+                return Flip.NONE  # the mixed workers have no room to take more
+            pools.append((pressure.mixed, num_mixed, Flip.NONE))
+        present = [(x, n, f) for x, n, f in pools if n > 0]
+        total = sum(n for _, n, _ in present)
+        if total < 2:
+            return Flip.NONE
+        worst = max(x for x, _, _ in present)
+        pooled = sum(x * n for x, n, _ in present) / total
+        if pooled >= worst - self.hysteresis:
+            return Flip.NONE
+        # The least pressed dedicated role gives a worker (it helps the pressed one first).
+        dedicated = [(x, f) for x, n, f in present if f is not Flip.NONE]
+        return min(dedicated, key=lambda xf: xf[0])[1] if dedicated else Flip.NONE
+
+    def _from_mixed(
+        self, pressure: RolePressure, num_prefill: int, num_decode: int, num_mixed: int
+    ) -> Flip:
+        """Mixed workers missing their targets: give a dedicated pool one back."""
+        m = pressure.mixed
+        if m <= 1.0 + self.hysteresis:
+            return Flip.NONE
+        if num_prefill and pressure.prefill >= m - self.hysteresis:
+            return Flip.NONE  # the dedicated pools are as pressed: nothing gained
+        if num_decode and pressure.decode >= m - self.hysteresis:
+            return Flip.NONE
+        to_prefill = pressure.mixed_ttft >= pressure.mixed_tpot
+        # Never leave no worker that can prefill or no worker that can decode.
+        others = num_mixed - 1
+        can_leave = {
+            Flip.MIXED_TO_PREFILL: num_decode + others > 0,
+            Flip.MIXED_TO_DECODE: num_prefill + others > 0,
+        }
+        first, second = (
+            (Flip.MIXED_TO_PREFILL, Flip.MIXED_TO_DECODE)
+            if to_prefill
+            else (Flip.MIXED_TO_DECODE, Flip.MIXED_TO_PREFILL)
+        )
+        return first if can_leave[first] else second if can_leave[second] else Flip.NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +296,10 @@ class RoleFlip:
 _FLIPS = {
     Flip.DECODE_TO_PREFILL: (Role.DECODE, Role.PREFILL),
     Flip.PREFILL_TO_DECODE: (Role.PREFILL, Role.DECODE),
+    Flip.PREFILL_TO_MIXED: (Role.PREFILL, Role.MIXED),
+    Flip.DECODE_TO_MIXED: (Role.DECODE, Role.MIXED),
+    Flip.MIXED_TO_PREFILL: (Role.MIXED, Role.PREFILL),
+    Flip.MIXED_TO_DECODE: (Role.MIXED, Role.DECODE),
 }
 
 
@@ -199,14 +307,20 @@ def choose_flip(
     view: ClusterView, pressure: RolePressure, planner: RatioPlanner, now_s: float
 ) -> RoleFlip | None:
     """The planner's decision as the worker to flip: the least busy of the role that
-    gives one up (draining workers are not counted). The gateway's rebalancer and the
-    simulator both apply this; issue 14's learned rebalancing replaces it here."""
-    prefill, decode = view.by_role(Role.PREFILL), view.by_role(Role.DECODE)
-    flip = planner.decide(now_s, pressure, len(prefill), len(decode))
+    gives one up, past its minimum dwell (draining workers are not counted). The
+    gateway's rebalancer and the simulator both apply this."""
+    pools = {role: view.by_role(role) for role in (Role.PREFILL, Role.DECODE, Role.MIXED)}
+    flip = planner.decide(
+        now_s, pressure, len(pools[Role.PREFILL]), len(pools[Role.DECODE]), len(pools[Role.MIXED])
+    )
     if flip is Flip.NONE:
         return None
     source, target = _FLIPS[flip]
-    worker = min(prefill if source is Role.PREFILL else decode, key=_busyness)
+    eligible = [w for w in pools[source] if planner.may_flip(w.worker_id, now_s)]
+    if not eligible:
+        return None
+    worker = min(eligible, key=_busyness)
+    planner.record_flip(worker.worker_id, now_s)
     return RoleFlip(worker.worker_id, source, target)
 
 
