@@ -47,6 +47,7 @@ from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import LinkFit
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
+from router.refusals import RefusalMeter
 from router.types import (
     SLO,
     ClusterView,
@@ -206,6 +207,7 @@ class Router:
         self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
         self.corrector = OutcomeCorrector()
+        self.refusals = RefusalMeter(window_s=settings.rebalance_interval_s)
         self.admission = Admission(settings.admission, self.corrector)
 
     # -- telemetry ---------------------------------------------------------------------
@@ -300,12 +302,15 @@ class Router:
             if decision.hold:
                 return Hold(decision.reason, decision.retry_after_s)
             self._observed.discard(profile.request_id)
+            self.refusals.refused(now_s, decision.reason)
             return decision
         if not replaced:  # a re-placement continues a started stream: never refused here
             refusal = self.admission.judge(profile, decision, now_s, self.settings.default_slo)
             if refusal is not None:
                 self._observed.discard(profile.request_id)
+                self.refusals.refused(now_s, refusal.reason)
                 return refusal
+            self.refusals.placed(now_s)
         self.reserve(profile, decision)  # observed until ``release(id)``: a re-place is not new
         return decision
 
@@ -342,11 +347,15 @@ class Router:
 
     def pressure(self) -> RolePressure | None:
         """Each role's load for the ratio planner; None if the policy cannot tell."""
-        pressure = getattr(self.policy, "pressure", None)
-        if not callable(pressure):
+        if not callable(getattr(self.policy, "pressure", None)):
             return None
-        result: RolePressure = pressure(self.view(), self.mean_prompt_tokens)
-        return result
+        return self.role_pressure(self.view(), self.mean_prompt_tokens)
+
+    def role_pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
+        """The policy's pressure on ``view``, raised by what was refused for each role
+        lately (``router.refusals``): the overload admission keeps out of the queues."""
+        result: RolePressure = self.policy.pressure(view, mean_prompt_tokens)  # type: ignore[attr-defined]
+        return self.refusals.raise_pressure(result)
 
     def plan_flip(self, now_s: float) -> RoleFlip | None:
         """The P/D ratio planner's decision for this interval (the simulator applies it;

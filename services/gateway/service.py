@@ -144,13 +144,12 @@ class GatewayService:
     def _make_rebalancer(self) -> Rebalancer | None:
         """A P/D ratio planner loop, when the router's policy can report role pressure."""
         router = self.router
-        pressure = getattr(router.policy, "pressure", None)
-        if not callable(pressure):
+        if not callable(getattr(router.policy, "pressure", None)):
             return None
         return Rebalancer(
             self.controller,
             router.view,
-            pressure,
+            router.role_pressure,  # the policy's, raised by what admission refused
             RatioPlanner(interval_s=router.settings.rebalance_interval_s),
             self.metrics,
             lambda: router.mean_prompt_tokens,
