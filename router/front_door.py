@@ -302,7 +302,8 @@ class Router:
             if decision.hold:
                 return Hold(decision.reason, decision.retry_after_s)
             self._observed.discard(profile.request_id)
-            self.refusals.refused(now_s, decision.reason)
+            if decision.retryable:  # a hopeless request (too long for any worker) says
+                self.refusals.refused(now_s, decision.reason)  # nothing of the roles' mix
             return decision
         if not replaced:  # a re-placement continues a started stream: never refused here
             refusal = self.admission.judge(profile, decision, now_s, self.settings.default_slo)

@@ -241,7 +241,10 @@ class RatioPlanner:
     def _to_mixed(
         self, pressure: RolePressure, num_prefill: int, num_decode: int, num_mixed: int
     ) -> Flip:
-        """Pool the load when a dedicated flip cannot (or did not) help."""
+        """Pool the load when a dedicated flip cannot help: a role has one worker (or
+        none) left, so the pressed role cannot take a dedicated worker from it."""
+        if min(num_prefill, num_decode) > 1:
+            return Flip.NONE
         pools = [(pressure.prefill, num_prefill, Flip.PREFILL_TO_MIXED)]
         pools.append((pressure.decode, num_decode, Flip.DECODE_TO_MIXED))
         if num_mixed:
