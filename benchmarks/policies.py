@@ -62,6 +62,7 @@ from loadgen.sim.profile import Profile, load_profile  # noqa: E402
 from loadgen.sim.run import simulate_specs  # noqa: E402
 from loadgen.workload import RequestSpec  # noqa: E402
 from router.front_door import RouterSettings  # noqa: E402
+from router.types import Role  # noqa: E402
 
 TARGET_ATTAINMENT = 0.9
 SLO = GoodputSLO(ttft_ms=500, tpot_ms=25)
@@ -69,6 +70,22 @@ BRACKET_OF_BOUND = (0.25, 1.5)  # bisection starts between these multiples of th
 BASELINES = ("round_robin", "least_loaded", "prefix_aware", "aggregated")
 SYSTEMS = ("baton", *BASELINES)
 TURNS = 4
+
+
+def baton_router(profile: Profile, duration_s: float) -> RouterSettings:
+    """Baton's router for these runs: a planner interval the run can use (a dozen
+    decisions), the temporal length split and colocation on mixed workers only. The
+    served defaults (``spatial``; decode workers also run whole requests) lose badly
+    here: a fixed long-prompt pool sized by request share starves when long prompts
+    carry most tokens or the mix shifts, and long prompts colocated on decode workers
+    (to save a transfer that does not delay the first token) queue behind their
+    chunked prefills (see the report of issue 14)."""
+    return RouterSettings(
+        profile=profile,
+        rebalance_interval_s=duration_s / 12,
+        length_split="temporal",
+        colocate_roles=(Role.MIXED,),
+    )
 
 
 @dataclass(frozen=True)
@@ -184,8 +201,7 @@ def run_at(
         num_prefill=num_prefill,
         num_decode=gpus - num_prefill,
         num_colocated=gpus if aggregated else 0,
-        # A planner interval the run can use: a dozen decisions per run.
-        router=RouterSettings(profile=profile, rebalance_interval_s=grid.duration_s / 12),
+        router=baton_router(profile, grid.duration_s) if baton else RouterSettings(profile=profile),
         policy="slo_goodput" if baton else ("round_robin" if aggregated else system),
         profile=profile,
         slo=SLO,
