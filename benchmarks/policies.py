@@ -1,37 +1,40 @@
-"""Goodput of every router policy and of aggregated serving, simulated (``make bench-policies``).
+"""Goodput of Baton against the strongest static baselines, simulated, on four workloads
+(``make bench-policies``).
 
-Same mixed-length workload (90% short chat prompts, 10% long documents; output
-lengths unknown to the router), same SLO, same seed, same GPU count for
-everyone. Each run sends ``duration_s`` SIMULATED seconds of Poisson arrivals
-(no request cap), so queues reach their steady state at every rate. For each
-GPU count and policy the goodput (the rate at which SLO attainment crosses
-90%) is found by bisection on the rate between a low and a high rate per GPU,
-interpolated linearly inside the last bracket. Disaggregated policies keep the
-best prefill:decode split of the shares tried (every policy tries the same
-shares); the aggregated baseline has no split (every GPU is a mixed worker
-with chunked prefill). Prints one JSON object per (GPU count, policy)::
+Every row runs in the simulator through the same ``router.Router`` the gateway drives.
+Workloads (``--workloads``; output lengths are never told to the router, which sees only
+``max_tokens``):
 
-    {"gpus", "policy", "goodput", "goodput_per_gpu", "split", "best_baseline", "vs_best_baseline",
-     "bound_served_all", "bound_random_shed", "of_bound"}
+* ``stationary``: 90% short chat prompts, 10% long documents, outputs 16-256;
+* ``phase_shift``: prefill-heavy (long prompts, short outputs) for a third of the run,
+  decode-heavy (short prompts, long outputs) for a third, then prefill-heavy again;
+* ``memory_bound``: outputs of 1k-4k tokens (``max_tokens`` 4096), where admission by
+  today's free blocks over-admits and preempts;
+* ``multi_turn``: 4-turn conversations whose prompts grow by the history (shared,
+  growing prefixes; prefix caches modelled).
 
-``best_baseline`` is the best goodput among the other policies and
-``aggregated`` in this same run. ``bound_*`` is the fluid bound of
-``loadgen.sim.bound`` for the row's split (for ``aggregated``: the GPUs with no
-split fixed): the rate served with every request completed, and the goodput
-no placement can beat at 90% attainment unless it picks whom to leave
-unserved by size; ``of_bound`` is goodput / ``bound_random_shed``. The bound
-shows how much room any policy has left. Saves ``attainment_vs_rate_<gpus>.png``.
+Systems: ``baton`` is the full system (``slo_goodput`` + the P/D rebalancer + decode
+admission by the past-future peak); the baselines are ``round_robin``, ``least_loaded``
+and ``prefix_aware`` disaggregated, each at the best prefill:decode split of those tried
+(``--prefill-shares``: the best split in hindsight, found by the sweep in this run), and
+``aggregated`` (every GPU a mixed worker with chunked prefill and admission by free
+blocks, as vLLM does by default; the disaggregated baselines keep the engines'
+past-future admission, their strongest setting). ``baton`` starts from the best of the
+same splits.
 
-The default runs 2, 4 and 16 GPUs at 15 s per run (3 bisections; the small
-counts show where aggregated serving wins) and 256 GPUs at 2 s per run (2
-bisections): one simulated second at 256 GPUs is ~10^4 requests,
-and the 2-core budget of ``make bench-policies`` (~10 minutes) allows no more,
-so the 256-GPU rows (``"coarse": true``) come from runs too short for queues
-to settle and read optimistic for every policy alike (they exceed the fluid
-bound). Every disaggregated
-policy uses the same split (``--prefill-shares``, default 0.625: 10:6 at 16
-GPUs, 160:96 at 256); pass several shares to search per policy. Where
-aggregated serving beats a disaggregated policy is printed on stderr.
+For each (workload, GPUs, system) the goodput (the rate at which SLO attainment crosses
+90%) is found by bisection on the rate between 0.25x and 1.5x the fluid bound
+(``loadgen.sim.bound``, no split fixed), interpolated inside the last bracket. Prints
+one JSON object per (workload, GPUs, system)::
+
+    {"workload", "gpus", "system", "goodput", "split", "best_baseline",
+     "vs_best_baseline", "bound", "of_bound", "role_flips", "preempted", ...}
+
+``bound`` is the fluid bound at 90% attainment with a random tenth unserved, for the
+GPUs with no split fixed (the largest over splits); for ``phase_shift`` it is the bound
+of the whole run's mix, which a run with fixed roles cannot reach in either phase.
+Larger GPU counts (``--large-gpus``) reuse each system's winning share of the first count
+and run shorter (``--large-duration``): their rows say ``"coarse": true``.
 """
 
 from __future__ import annotations
@@ -46,26 +49,115 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 from loadgen.arrivals import RateSpec  # noqa: E402
 from loadgen.metrics import GoodputSLO  # noqa: E402
 from loadgen.plots import plot_attainment_vs_rate  # noqa: E402
 from loadgen.scenario import WorkloadConfig, build_requests  # noqa: E402
-from loadgen.sim import SimConfig, simulate  # noqa: E402
-from loadgen.sim.bound import FluidBound, fluid_bound  # noqa: E402
-from loadgen.sim.profile import load_profile  # noqa: E402
-from router.policy import available_policies  # noqa: E402
+from loadgen.sim import SimConfig  # noqa: E402
+from loadgen.sim.bound import fluid_bound  # noqa: E402
+from loadgen.sim.profile import Profile, load_profile  # noqa: E402
+from loadgen.sim.run import simulate_specs  # noqa: E402
+from loadgen.workload import RequestSpec  # noqa: E402
+from router.front_door import RouterSettings  # noqa: E402
+from router.types import Role  # noqa: E402
 
 TARGET_ATTAINMENT = 0.9
-INPUT_LEN = "mix:0.9*uniform:32-256,0.1*uniform:2000-6000"
-OUTPUT_LEN = "uniform:16-256"
 SLO = GoodputSLO(ttft_ms=500, tpot_ms=25)
-RATE_BRACKET_PER_GPU = (16.0, 64.0)  # bisection starts between these (req/s per GPU)
-PREFILL_SHARES = (0.5, 0.625, 0.75)
-MAX_TOKENS = 1024  # what clients ask for: the router never sees the true output length
-WORKLOAD_NOTE = "max_tokens 1024, true outputs 16-256 unknown to the router; 90% short chat (32-256 prompt tokens) + 10% long documents (2000-6000)"
+BRACKET_OF_BOUND = (0.25, 1.5)  # bisection starts between these multiples of the fluid bound
+BASELINES = ("round_robin", "least_loaded", "prefix_aware", "aggregated")
+SYSTEMS = ("baton", *BASELINES)
+TURNS = 4
+
+
+def baton_router(profile: Profile, duration_s: float) -> RouterSettings:
+    """Baton's router for these runs: a planner interval the run can use (a dozen
+    decisions), the temporal length split and colocation on mixed workers only. The
+    served defaults (``spatial``; decode workers also run whole requests) lose badly
+    here: a fixed long-prompt pool sized by request share starves when long prompts
+    carry most tokens or the mix shifts, and long prompts colocated on decode workers
+    (to save a transfer that does not delay the first token) queue behind their
+    chunked prefills (see the report of issue 14)."""
+    return RouterSettings(
+        profile=profile,
+        rebalance_interval_s=duration_s / 12,
+        length_split="temporal",
+        colocate_roles=(Role.MIXED,),
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Segments of (input lengths, output lengths, share of the run); ``max_tokens``:
+    what clients ask for (the router never sees the true output length)."""
+
+    name: str
+    segments: tuple[tuple[str, str, float], ...]
+    max_tokens: int
+    turns: int = 1
+    note: str = ""
+
+
+PREFILL_HEAVY = ("uniform:1500-3000", "uniform:8-32")
+DECODE_HEAVY = ("uniform:32-128", "uniform:300-600")
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload(
+            "stationary",
+            (("mix:0.9*uniform:32-256,0.1*uniform:2000-6000", "uniform:16-256", 1.0),),
+            1024,
+            note="90% chat (32-256 prompt tokens), 10% documents (2000-6000); outputs 16-256",
+        ),
+        Workload(
+            "phase_shift",
+            ((*PREFILL_HEAVY, 1 / 3), (*DECODE_HEAVY, 1 / 3), (*PREFILL_HEAVY, 1 / 3)),
+            1024,
+            note="thirds: prompts 1500-3000/outputs 8-32, prompts 32-128/outputs 300-600, again the first",
+        ),
+        Workload(
+            "memory_bound",
+            (("uniform:64-512", "uniform:1000-4000", 1.0),),
+            4096,
+            note="prompts 64-512, outputs 1000-4000 (max_tokens 4096)",
+        ),
+        Workload(
+            "multi_turn",
+            (("uniform:64-256", "uniform:32-192", 1.0),),
+            1024,
+            turns=TURNS,
+            note=f"{TURNS}-turn conversations, each turn's prompt = history + 64-256 new tokens",
+        ),
+    )
+}
+
+
+def build_specs(
+    workload: Workload, rate: float, duration_s: float, seed: int = 0
+) -> list[RequestSpec]:
+    """``duration_s`` of arrivals at ``rate`` requests/s, segment after segment."""
+    specs: list[RequestSpec] = []
+    offset_s = 0.0
+    for k, (input_len, output_len, share) in enumerate(workload.segments):
+        seconds = duration_s * share
+        config = WorkloadConfig(
+            input_len=input_len,
+            output_len=output_len,
+            num_requests=max(20, round(rate * seconds)),
+            turns=workload.turns,
+            think_time_s=0.5,
+            seed=seed + k,
+        )
+        # Conversations start at rate/turns so that requests arrive at ``rate``.
+        segment = build_requests(config, RateSpec(rate / workload.turns))
+        specs += [
+            replace(s, request_id=f"s{k}-{s.request_id}", arrival_s=s.arrival_s + offset_s)
+            for s in segment
+        ]
+        offset_s += seconds
+    return sorted(specs, key=lambda s: s.arrival_s)
 
 
 def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINMENT) -> float:
@@ -88,58 +180,51 @@ class Grid:
     bisect_steps: int  # rate bisections after the bracket's two ends
 
 
-def bound_for(gpus: int, split: str, profile_name: str) -> FluidBound:
-    """The fluid bound for a "P:D:mixed" split (all mixed: no split fixed)."""
-    num_prefill, num_decode, num_mixed = (int(x) for x in split.split(":"))
-    specs = build_requests(
-        WorkloadConfig(input_len=INPUT_LEN, output_len=OUTPUT_LEN, num_requests=20_000, seed=0),
-        RateSpec(1.0),
-    )
+def bound_rps(workload: Workload, gpus: int, profile: Profile) -> float:
+    """The fluid bound at 90% attainment, no split fixed (the largest over splits)."""
+    specs = build_specs(workload, 50.0, 200.0, seed=99)
     assert SLO.tpot_ms is not None
-    return fluid_bound(
-        load_profile(profile_name),
-        specs,
-        SLO.tpot_ms / 1000,
-        num_prefill,
-        num_decode,
-        gpus=gpus if num_mixed else None,
-        attainment=TARGET_ATTAINMENT,
+    bound = fluid_bound(
+        profile, specs, SLO.tpot_ms / 1000, 0, 0, gpus=gpus, attainment=TARGET_ATTAINMENT
     )
+    return bound.random_shed_rps
 
 
 def run_at(
-    policy: str, gpus: int, num_prefill: int, rate: float, duration_s: float, profile_name: str
-) -> dict[str, Any]:
+    system: str, workload: Workload, gpus: int, num_prefill: int, rate: float, grid: Grid,
+    profile: Profile,
+) -> dict[str, Any]:  # fmt: skip
+    aggregated = system == "aggregated"
+    baton = system == "baton"
     config = SimConfig(
-        workload=WorkloadConfig(
-            input_len=INPUT_LEN,
-            output_len=OUTPUT_LEN,
-            num_requests=max(200, round(rate * duration_s)),
-            seed=0,
-        ),
         rate=RateSpec(rate),
         num_prefill=num_prefill,
         num_decode=gpus - num_prefill,
-        num_colocated=gpus if policy == "aggregated" else 0,
-        policy="round_robin" if policy == "aggregated" else policy,
-        profile=load_profile(profile_name),
+        num_colocated=gpus if aggregated else 0,
+        router=baton_router(profile, grid.duration_s) if baton else RouterSettings(profile=profile),
+        policy="slo_goodput" if baton else ("round_robin" if aggregated else system),
+        profile=profile,
         slo=SLO,
-        max_tokens=MAX_TOKENS,
+        max_tokens=workload.max_tokens,
+        # Aggregated admits by free blocks now, as vLLM does; disaggregated baselines get
+        # the past-future admission too (their strongest static configuration).
+        admission="greedy" if aggregated else "past_future",
+        rebalance=baton,
     )
-    return simulate(config).summary
+    return simulate_specs(config, build_specs(workload, rate, grid.duration_s)).summary
 
 
 def sweep(
-    policy: str, gpus: int, num_prefill: int, grid: Grid, profile_name: str
-) -> list[dict[str, Any]]:
+    system: str, workload: Workload, gpus: int, num_prefill: int, grid: Grid, profile: Profile,
+    bound: float,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Runs at the bracket's ends and at each bisection point, sorted by rate."""
-    lo, hi = (r * gpus for r in RATE_BRACKET_PER_GPU)
-    runs = [run_at(policy, gpus, num_prefill, r, grid.duration_s, profile_name) for r in (lo, hi)]
-    attained = {lo: runs[0]["slo_attainment"], hi: runs[1]["slo_attainment"]}
-    if attained[lo] >= TARGET_ATTAINMENT > attained[hi]:
+    lo, hi = (m * bound for m in BRACKET_OF_BOUND)
+    runs = [run_at(system, workload, gpus, num_prefill, r, grid, profile) for r in (lo, hi)]
+    if runs[0]["slo_attainment"] >= TARGET_ATTAINMENT > runs[1]["slo_attainment"]:
         for _ in range(grid.bisect_steps):
             mid = (lo + hi) / 2
-            summary = run_at(policy, gpus, num_prefill, mid, grid.duration_s, profile_name)
+            summary = run_at(system, workload, gpus, num_prefill, mid, grid, profile)
             runs.append(summary)
             if summary["slo_attainment"] >= TARGET_ATTAINMENT:
                 lo = mid
@@ -148,110 +233,109 @@ def sweep(
     return sorted(runs, key=lambda s: float(s["rate"]))
 
 
+@dataclass(frozen=True)
+class Best:
+    goodput: float
+    split: str  # prefill:decode:mixed
+    share: float
+    runs: list[dict[str, Any]]
+
+
 def best_split(
-    policy: str, gpus: int, shares: list[float], grid: Grid, profile_name: str
-) -> tuple[float, str, list[dict[str, Any]], float]:
-    """(goodput, "P:D:mixed", the winning sweep, the winning prefill share)."""
-    if policy == "aggregated":
-        runs = sweep(policy, gpus, 0, grid, profile_name)
+    system: str, workload: Workload, gpus: int, shares: list[float], grid: Grid,
+    profile: Profile, bound: float,
+) -> Best:  # fmt: skip
+    if system == "aggregated":
+        runs = sweep(system, workload, gpus, 0, grid, profile, bound)
         points = [(float(s["rate"]), s["slo_attainment"]) for s in runs]
-        return goodput_at(points), f"0:0:{gpus}", runs, 0.0
-    best: tuple[float, str, list[dict[str, Any]], float] = (-1.0, "", [], 0.0)
+        return Best(goodput_at(points), f"0:0:{gpus}", 0.0, runs)
+    best = Best(-1.0, "", 0.0, [])
     for share in shares:
         num_prefill = min(gpus - 1, max(1, round(share * gpus)))
-        runs = sweep(policy, gpus, num_prefill, grid, profile_name)
+        runs = sweep(system, workload, gpus, num_prefill, grid, profile, bound)
         g = goodput_at([(float(s["rate"]), s["slo_attainment"]) for s in runs])
-        if g > best[0]:
-            best = (g, f"{num_prefill}:{gpus - num_prefill}:0", runs, share)
+        if g > best.goodput:
+            best = Best(g, f"{num_prefill}:{gpus - num_prefill}:0", share, runs)
     return best
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", default="2,4,16,256", help="comma list of GPU counts")
-    parser.add_argument(
-        "--duration", type=float, default=15.0, help="simulated seconds of arrivals per run"
-    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--gpus", default="16,256", help="comma list of GPU counts")
+    parser.add_argument("--duration", type=float, default=12.0, help="simulated s per run")
     parser.add_argument("--bisect-steps", type=int, default=3)
-    parser.add_argument(
-        "--large-gpus", type=int, default=64, help="above this many GPUs the coarse search applies"
-    )
-    parser.add_argument("--large-duration", type=float, default=2.0)
+    parser.add_argument("--large-gpus", type=int, default=64, help="above: the coarse search")
+    parser.add_argument("--large-duration", type=float, default=1.5)
     parser.add_argument("--large-bisect-steps", type=int, default=2)
     parser.add_argument(
-        "--prefill-shares",
-        default="0.625",
-        help="shares of GPUs given to prefill, tried by every disaggregated policy (best kept); "
-        f"the default is one split for all, 10:6 at 16 GPUs; {PREFILL_SHARES} searches",
+        "--prefill-shares", default="0.375,0.625", help="splits tried at the first GPU count"
     )
     parser.add_argument("--profile", default="llama3-8b-h100")
-    parser.add_argument("--policies", default=None, help="comma list (default: all + aggregated)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/policies"))
     args = parser.parse_args()
-    policies = args.policies.split(",") if args.policies else [*available_policies(), "aggregated"]
+    systems = args.systems.split(",")
     shares = [float(x) for x in args.prefill_shares.split(",")]
+    profile = load_profile(args.profile)
     args.out.mkdir(parents=True, exist_ok=True)
-    # Splits are searched at the first GPU count; larger counts reuse each policy's winner.
-    winning_share: dict[str, float] = {}
-    for gpus in (int(g) for g in args.gpus.split(",")):
-        coarse = gpus > args.large_gpus
-        grid = (
-            Grid(args.large_duration, args.large_bisect_steps)
-            if coarse
-            else Grid(args.duration, args.bisect_steps)
-        )
-        results: dict[str, tuple[float, str]] = {}
-        curves: dict[str, list[dict[str, Any]]] = {}
-        for policy in policies:
-            tried = [winning_share[policy]] if policy in winning_share else shares
-            goodput, split, runs, share = best_split(policy, gpus, tried, grid, args.profile)
-            winning_share[policy] = share
-            results[policy] = (goodput, split)
-            print(
-                f"# {gpus} GPUs {policy} {split}: {goodput:.1f} req/s", file=sys.stderr, flush=True
+    for name in args.workloads.split(","):
+        workload = WORKLOADS[name]
+        winning_share: dict[str, float] = {}
+        for gpus in (int(g) for g in args.gpus.split(",")):
+            coarse = gpus > args.large_gpus
+            grid = (
+                Grid(args.large_duration, args.large_bisect_steps)
+                if coarse
+                else Grid(args.duration, args.bisect_steps)
             )
-            curves[f"{policy} ({split})"] = runs
-        for policy, (goodput, split) in results.items():
-            others = [g for p, (g, _) in results.items() if p != policy]
-            baseline = max(others, default=0.0)
-            bound = bound_for(gpus, split, args.profile)
-            print(
-                json.dumps(
-                    {
-                        "gpus": gpus,
-                        "policy": policy,
-                        "goodput": round(goodput, 2),
-                        "goodput_per_gpu": round(goodput / gpus, 3),
-                        "split": split,  # prefill:decode:mixed
-                        "best_baseline": round(baseline, 2),
-                        "vs_best_baseline": round(goodput / baseline, 3) if baseline else None,
-                        "bound_served_all": round(bound.served_all_rps, 1),
-                        "bound_random_shed": round(bound.random_shed_rps, 1),
-                        "of_bound": round(goodput / bound.random_shed_rps, 3),
-                        "slo_ms": SLO.as_dict(),
-                        "workload": WORKLOAD_NOTE,
-                        "sim_seconds_per_run": grid.duration_s,
-                        "coarse": coarse,
-                        "profile": args.profile,
-                    }
-                ),
-                flush=True,
+            bound = bound_rps(workload, gpus, profile)
+            results: dict[str, Best] = {}
+            for system in systems:
+                tried = [winning_share[system]] if system in winning_share else shares
+                best = best_split(system, workload, gpus, tried, grid, profile, bound)
+                winning_share[system] = best.share
+                results[system] = best
+                print(
+                    f"# {name} {gpus} GPUs {system} {best.split}: {best.goodput:.1f} req/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            baseline = max((results[b].goodput for b in BASELINES if b in results), default=0.0)
+            for system, best in results.items():
+                at_goodput = min(
+                    best.runs, key=lambda s: abs(float(s["rate"]) - best.goodput), default={}
+                )
+                print(
+                    json.dumps(
+                        {
+                            "workload": name,
+                            "gpus": gpus,
+                            "system": system,
+                            "goodput": round(best.goodput, 2),
+                            "split": best.split,
+                            "best_baseline": round(baseline, 2),
+                            "vs_best_baseline": (
+                                round(best.goodput / baseline, 3) if baseline else None
+                            ),
+                            "bound": round(bound, 1),
+                            "of_bound": round(best.goodput / bound, 3),
+                            "role_flips": at_goodput.get("role_flips"),
+                            "preempted": at_goodput.get("preempted"),
+                            "slo_ms": SLO.as_dict(),
+                            "workload_note": workload.note,
+                            "sim_seconds_per_run": grid.duration_s,
+                            "coarse": coarse,
+                            "profile": args.profile,
+                        }
+                    ),
+                    flush=True,
+                )
+            plot_attainment_vs_rate(
+                {f"{s} ({b.split})": b.runs for s, b in results.items()},
+                args.out / f"attainment_vs_rate_{name}_{gpus}.png",
+                title=f"{name}, {gpus} GPUs, TTFT<={SLO.ttft_ms:g}ms TPOT<={SLO.tpot_ms:g}ms",
             )
-        if "aggregated" in results:
-            agg = results["aggregated"][0]
-            for policy, (goodput, _) in results.items():
-                if policy != "aggregated" and goodput:
-                    verdict = "aggregated wins" if agg > goodput else "disaggregated wins"
-                    print(
-                        f"# {gpus} GPUs: aggregated {agg:.1f} vs {policy} {goodput:.1f} req/s"
-                        f" ({agg / goodput:.2f}x): {verdict}",
-                        file=sys.stderr,
-                    )
-        plot_attainment_vs_rate(
-            curves,
-            args.out / f"attainment_vs_rate_{gpus}.png",
-            title=f"{gpus} GPUs, {args.profile}, TTFT<={SLO.ttft_ms:g}ms TPOT<={SLO.tpot_ms:g}ms",
-        )
     return 0
 
 

@@ -24,9 +24,11 @@ Pure like the rest of ``router``: no Ray, HTTP, torch or clock reads; ``now_s`` 
 passed in. A worker report is anything shaped like ``services.workers.messages.
 WorkerSnapshot`` (``WorkerReport`` below), so this module imports nothing of services.
 
-Hook for learning from outcomes (issue 14): ``observe_outcome`` is the one place
-where a finished request's measured TTFT/TPOT reaches the router; today it feeds
-the output-length history, and online correction of the cost model belongs there.
+Learning from outcomes: ``observe_outcome`` is the one place where a finished
+request's output length (the KV estimator's history) and its measured TTFT/TPOT against
+its plan's predictions (``router.correction.Outcome``) reach the router; the latter
+correct each worker's predictions, and ``router.admission`` refuses at ``place`` what
+the corrected predictions say will miss.
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from router.admission import Admission, AdmissionSettings
+from router.correction import Outcome, OutcomeCorrector
 from router.cost_model import DEFAULT_PROFILE, Profile, TransferCoeffs, load_profile
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import LinkFit
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
+from router.refusals import RefusalMeter
 from router.types import (
     SLO,
     ClusterView,
@@ -64,6 +69,7 @@ _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes pref
 # the fit, and rebuilding both ends' rows for every nudge would double the view's work.
 _LINK_TOLERANCE = 0.05
 _DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
+_DEFAULT_ADMISSION = AdmissionSettings()
 
 
 class WorkerReport(Protocol):
@@ -117,6 +123,7 @@ class RouterSettings:
     rebalance_interval_s: float = 10.0
     colocate_roles: tuple[Role, ...] = (Role.MIXED, Role.DECODE)  # may run a whole request
     seed: int = 0
+    admission: AdmissionSettings = _DEFAULT_ADMISSION
 
     @classmethod
     def from_config(cls, config: Any, profile: Profile | None = None) -> RouterSettings:
@@ -200,6 +207,9 @@ class Router:
         self._published_links: dict[str, TransferCoeffs] = {}  # what the view shows
         self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
+        self.corrector = OutcomeCorrector()
+        self.refusals = RefusalMeter(window_s=settings.rebalance_interval_s)
+        self.admission = Admission(settings.admission, self.corrector)
 
     # -- telemetry ---------------------------------------------------------------------
     def update(self, report: WorkerReport) -> None:
@@ -215,6 +225,8 @@ class Router:
             self._workers[wid] = _Worker(report, digest)
             self._slots = None
         else:
+            if known.report.role != report.role:
+                self.corrector.forget(wid)  # its predictions are a new role's now
             if known.report.prefix_digest != report.prefix_digest:
                 known.digest = frozenset(report.prefix_digest)
             known.report = report
@@ -231,6 +243,7 @@ class Router:
             self._drop_reservation(request_id)
         self._links.pop(worker_id, None)
         self._published_links.pop(worker_id, None)
+        self.corrector.forget(worker_id)
 
     def is_alive(self, worker_id: str) -> bool:
         return worker_id in self._workers
@@ -238,11 +251,12 @@ class Router:
     def reports(self) -> dict[str, WorkerReport]:
         return {wid: w.report for wid, w in self._workers.items()}
 
-    def observe_outcome(self, output_len: int) -> None:
-        """A finished request's output length (the history H of the KV estimator).
-
-        Issue 14 hook: measured TTFT/TPOT per plan would be fed here to correct the
-        cost model online."""
+    def observe_outcome(self, output_len: int, outcome: Outcome | None = None) -> None:
+        """A finished request's output length (the history H of the KV estimator) and,
+        if measured, its TTFT/TPOT against its plan's predictions (the corrections
+        that admission prices plans with)."""
+        if outcome is not None:
+            self.corrector.observe(outcome)
         self._output_lens.append(output_len)
         self._output_tuple = ()
         self._view = None
@@ -290,9 +304,18 @@ class Router:
             if decision.hold:
                 return Hold(decision.reason, decision.retry_after_s)
             self._observed.discard(profile.request_id)
+            if decision.retryable:  # a hopeless request (too long for any worker) says
+                self.refusals.refused(now_s, decision.reason)  # nothing of the roles' mix
             return decision
         if profile.num_images and not hasattr(self.policy, "observe_encode"):
             decision = _with_encode_worker(decision, view)
+        if not replaced:  # a re-placement continues a started stream: never refused here
+            refusal = self.admission.judge(profile, decision, now_s, self.settings.default_slo)
+            if refusal is not None:
+                self._observed.discard(profile.request_id)
+                self.refusals.refused(now_s, refusal.reason)
+                return refusal
+            self.refusals.placed(now_s)
         self.reserve(profile, decision)  # observed until ``release(id)``: a re-place is not new
         return decision
 
@@ -336,11 +359,15 @@ class Router:
 
     def pressure(self) -> RolePressure | None:
         """Each role's load for the ratio planner; None if the policy cannot tell."""
-        pressure = getattr(self.policy, "pressure", None)
-        if not callable(pressure):
+        if not callable(getattr(self.policy, "pressure", None)):
             return None
-        result: RolePressure = pressure(self.view(), self.mean_prompt_tokens)
-        return result
+        return self.role_pressure(self.view(), self.mean_prompt_tokens)
+
+    def role_pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
+        """The policy's pressure on ``view``, raised by what was refused for each role
+        lately (``router.refusals``): the overload admission keeps out of the queues."""
+        result: RolePressure = self.policy.pressure(view, mean_prompt_tokens)  # type: ignore[attr-defined]
+        return self.refusals.raise_pressure(result)
 
     def plan_flip(self, now_s: float) -> RoleFlip | None:
         """The P/D ratio planner's decision for this interval (the simulator applies it;

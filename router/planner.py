@@ -15,12 +15,27 @@
 
 *Flipping* one worker between roles (``RatioPlanner.decide``), at most once per
 interval: each role's pressure is predicted TTFT / target (prefill) or the
-larger of peak KV fraction and predicted TPOT / target (decode); pressure is
-taken to scale as ``1/pool size``. A flip happens only when moving one worker
-lowers the larger pressure by more than ``hysteresis``, and never empties a pool.
-With encode workers, the encode pool's pressure (its predicted queue wait / the
-TTFT target) is weighed against prefill's the same way when P and D are balanced:
-one worker moves between the encode and prefill pools.
+larger of peak KV fraction and predicted TPOT / target (decode); a mixed
+worker's is the larger of its TTFT and its chunked-step TPOT against their
+targets. Pressure is taken to scale as ``1/pool size``. Both ways:
+
+* prefill <-> decode when moving one worker lowers the larger pressure by more
+  than ``hysteresis`` (never emptying a pool);
+* dedicated -> mixed when that is not possible (the giving pool has one worker)
+  but pooling the load over every worker, ``(p·n_p + d·n_d)/(n_p + n_d)``, would
+  lower the worst pressure by more than ``hysteresis``: the least pressed role
+  gives a worker first, so a 1 prefill + 1 decode cluster becomes 2 mixed in two
+  steps;
+* mixed -> dedicated when the mixed workers miss their targets (pressure above
+  ``1 + hysteresis``: chunked prefills slow their decodes) and the dedicated
+  pools have room: to prefill if TTFT is the larger miss, else to decode, never
+  leaving no worker that can prefill or decode;
+* encode <-> prefill, weighed first when there are encode workers: the encode
+  pool's pressure (its predicted queue wait / the TTFT target) against prefill's,
+  the same way (never emptying the encode pool).
+
+A worker that flipped stays in its role for ``min_dwell_s`` (``choose_flip``
+skips it); the drain before a flip is the applier's (controller or simulator).
 """
 
 from __future__ import annotations
@@ -139,6 +154,10 @@ class Flip(enum.StrEnum):
     PREFILL_TO_DECODE = "prefill_to_decode"
     ENCODE_TO_PREFILL = "encode_to_prefill"
     PREFILL_TO_ENCODE = "prefill_to_encode"
+    PREFILL_TO_MIXED = "prefill_to_mixed"
+    DECODE_TO_MIXED = "decode_to_mixed"
+    MIXED_TO_PREFILL = "mixed_to_prefill"
+    MIXED_TO_DECODE = "mixed_to_decode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +170,8 @@ class RolePressure:
     predicted_tpot_s: float
     tpot_target_s: float
     encode_wait_s: float = 0.0  # predicted queue wait on an encode worker, averaged
+    mixed_ttft_s: float = 0.0  # averaged over mixed workers (0: none)
+    mixed_tpot_s: float = 0.0  # their decode step with a prefill chunk in it
 
     @property
     def prefill(self) -> float:
@@ -164,12 +185,28 @@ class RolePressure:
     def decode(self) -> float:
         return max(self.decode_peak_fraction, self.predicted_tpot_s / self.tpot_target_s)
 
+    @property
+    def mixed_ttft(self) -> float:
+        return self.mixed_ttft_s / self.ttft_target_s
+
+    @property
+    def mixed_tpot(self) -> float:
+        return self.mixed_tpot_s / self.tpot_target_s
+
+    @property
+    def mixed(self) -> float:
+        return max(self.mixed_ttft, self.mixed_tpot)
+
 
 class RatioPlanner:
-    def __init__(self, interval_s: float = 10.0, hysteresis: float = 0.1) -> None:
+    def __init__(
+        self, interval_s: float = 10.0, hysteresis: float = 0.1, min_dwell_s: float | None = None
+    ) -> None:
         self.interval_s = interval_s
         self.hysteresis = hysteresis
+        self.min_dwell_s = 3 * interval_s if min_dwell_s is None else min_dwell_s
         self._last_flip_s = -math.inf
+        self._flipped_s: dict[str, float] = {}  # worker -> when it last flipped
 
     def decide(
         self,
@@ -177,26 +214,21 @@ class RatioPlanner:
         pressure: RolePressure,
         num_prefill: int,
         num_decode: int,
+        num_mixed: int = 0,
         num_encode: int = 0,
     ) -> Flip:
         if now_s - self._last_flip_s < self.interval_s:
             return Flip.NONE
-        p, d = pressure.prefill, pressure.decode
-        worst = max(p, d)
         flip = Flip.NONE
         if num_encode:
-            flip = self._encode_flip(pressure, num_prefill, num_encode, worst)
-            if flip is not Flip.NONE:
-                self._last_flip_s = now_s
-                return flip
-        if num_decode > 1 and p > d:
-            after = max(p * num_prefill / (num_prefill + 1), d * num_decode / (num_decode - 1))
-            if after < worst - self.hysteresis:
-                flip = Flip.DECODE_TO_PREFILL
-        elif num_prefill > 1 and d > p:
-            after = max(d * num_decode / (num_decode + 1), p * num_prefill / (num_prefill - 1))
-            if after < worst - self.hysteresis:
-                flip = Flip.PREFILL_TO_DECODE
+            worst_pd = max(pressure.prefill, pressure.decode)
+            flip = self._encode_flip(pressure, num_prefill, num_encode, worst_pd)
+        if flip is Flip.NONE and num_mixed:
+            flip = self._from_mixed(pressure, num_prefill, num_decode, num_mixed)
+        elif flip is Flip.NONE:
+            flip = self._between_pools(pressure, num_prefill, num_decode)
+        if flip is Flip.NONE:
+            flip = self._to_mixed(pressure, num_prefill, num_decode, num_mixed)
         if flip is not Flip.NONE:
             self._last_flip_s = now_s
         return flip
@@ -217,6 +249,76 @@ class RatioPlanner:
                 return Flip.ENCODE_TO_PREFILL
         return Flip.NONE
 
+    def may_flip(self, worker_id: str, now_s: float) -> bool:
+        """Past its minimum dwell in the role it has."""
+        return now_s - self._flipped_s.get(worker_id, -math.inf) >= self.min_dwell_s
+
+    def record_flip(self, worker_id: str, now_s: float) -> None:
+        self._flipped_s[worker_id] = now_s
+
+    def _between_pools(self, pressure: RolePressure, num_prefill: int, num_decode: int) -> Flip:
+        p, d = pressure.prefill, pressure.decode
+        worst = max(p, d)
+        if num_decode > 1 and p > d:
+            after = max(p * num_prefill / (num_prefill + 1), d * num_decode / (num_decode - 1))
+            if after < worst - self.hysteresis:
+                return Flip.DECODE_TO_PREFILL
+        elif num_prefill > 1 and d > p:
+            after = max(d * num_decode / (num_decode + 1), p * num_prefill / (num_prefill - 1))
+            if after < worst - self.hysteresis:
+                return Flip.PREFILL_TO_DECODE
+        return Flip.NONE
+
+    def _to_mixed(
+        self, pressure: RolePressure, num_prefill: int, num_decode: int, num_mixed: int
+    ) -> Flip:
+        """Pool the load when a dedicated flip cannot help: a role has one worker (or
+        none) left, so the pressed role cannot take a dedicated worker from it."""
+        if min(num_prefill, num_decode) > 1:
+            return Flip.NONE
+        pools = [(pressure.prefill, num_prefill, Flip.PREFILL_TO_MIXED)]
+        pools.append((pressure.decode, num_decode, Flip.DECODE_TO_MIXED))
+        if num_mixed:
+            if pressure.mixed > 1.0:
+                return Flip.NONE  # the mixed workers have no room to take more
+            pools.append((pressure.mixed, num_mixed, Flip.NONE))
+        present = [(x, n, f) for x, n, f in pools if n > 0]
+        total = sum(n for _, n, _ in present)
+        if total < 2:
+            return Flip.NONE
+        worst = max(x for x, _, _ in present)
+        pooled = sum(x * n for x, n, _ in present) / total
+        if pooled >= worst - self.hysteresis:
+            return Flip.NONE
+        # The least pressed dedicated role gives a worker (it helps the pressed one first).
+        dedicated = [(x, f) for x, n, f in present if f is not Flip.NONE]
+        return min(dedicated, key=lambda xf: xf[0])[1] if dedicated else Flip.NONE
+
+    def _from_mixed(
+        self, pressure: RolePressure, num_prefill: int, num_decode: int, num_mixed: int
+    ) -> Flip:
+        """Mixed workers missing their targets: give a dedicated pool one back."""
+        m = pressure.mixed
+        if m <= 1.0 + self.hysteresis:
+            return Flip.NONE
+        if num_prefill and pressure.prefill >= m - self.hysteresis:
+            return Flip.NONE  # the dedicated pools are as pressed: nothing gained
+        if num_decode and pressure.decode >= m - self.hysteresis:
+            return Flip.NONE
+        to_prefill = pressure.mixed_ttft >= pressure.mixed_tpot
+        # Never leave no worker that can prefill or no worker that can decode.
+        others = num_mixed - 1
+        can_leave = {
+            Flip.MIXED_TO_PREFILL: num_decode + others > 0,
+            Flip.MIXED_TO_DECODE: num_prefill + others > 0,
+        }
+        first, second = (
+            (Flip.MIXED_TO_PREFILL, Flip.MIXED_TO_DECODE)
+            if to_prefill
+            else (Flip.MIXED_TO_DECODE, Flip.MIXED_TO_PREFILL)
+        )
+        return first if can_leave[first] else second if can_leave[second] else Flip.NONE
+
 
 @dataclass(frozen=True, slots=True)
 class RoleFlip:
@@ -230,6 +332,10 @@ _FLIPS = {
     Flip.PREFILL_TO_DECODE: (Role.PREFILL, Role.DECODE),
     Flip.ENCODE_TO_PREFILL: (Role.ENCODE, Role.PREFILL),
     Flip.PREFILL_TO_ENCODE: (Role.PREFILL, Role.ENCODE),
+    Flip.PREFILL_TO_MIXED: (Role.PREFILL, Role.MIXED),
+    Flip.DECODE_TO_MIXED: (Role.DECODE, Role.MIXED),
+    Flip.MIXED_TO_PREFILL: (Role.MIXED, Role.PREFILL),
+    Flip.MIXED_TO_DECODE: (Role.MIXED, Role.DECODE),
 }
 
 
@@ -237,16 +343,26 @@ def choose_flip(
     view: ClusterView, pressure: RolePressure, planner: RatioPlanner, now_s: float
 ) -> RoleFlip | None:
     """The planner's decision as the worker to flip: the least busy of the role that
-    gives one up (draining workers are not counted). The gateway's rebalancer and the
-    simulator both apply this; issue 14's learned rebalancing replaces it here."""
-    prefill, decode = view.by_role(Role.PREFILL), view.by_role(Role.DECODE)
-    encode = view.by_role(Role.ENCODE)
-    flip = planner.decide(now_s, pressure, len(prefill), len(decode), len(encode))
+    gives one up, past its minimum dwell (draining workers are not counted). The
+    gateway's rebalancer and the simulator both apply this."""
+    roles = (Role.PREFILL, Role.DECODE, Role.MIXED, Role.ENCODE)
+    pools = {role: view.by_role(role) for role in roles}
+    flip = planner.decide(
+        now_s,
+        pressure,
+        len(pools[Role.PREFILL]),
+        len(pools[Role.DECODE]),
+        num_mixed=len(pools[Role.MIXED]),
+        num_encode=len(pools[Role.ENCODE]),
+    )
     if flip is Flip.NONE:
         return None
     source, target = _FLIPS[flip]
-    pools = {Role.PREFILL: prefill, Role.DECODE: decode, Role.ENCODE: encode}
-    worker = min(pools[source], key=_busyness)
+    eligible = [w for w in pools[source] if planner.may_flip(w.worker_id, now_s)]
+    if not eligible:
+        return None
+    worker = min(eligible, key=_busyness)
+    planner.record_flip(worker.worker_id, now_s)
     return RoleFlip(worker.worker_id, source, target)
 
 

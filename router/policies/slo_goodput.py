@@ -172,6 +172,7 @@ class SloGoodput:
         self.refresh(view)
         t = self._table
         prefill, decode = t.is_role(Role.PREFILL), t.is_role(Role.DECODE)
+        mixed = t.is_role(Role.MIXED)
         n = mean_prompt_tokens
         ttft_s = t.wait_long_s + t.pa + n * (t.pb + n * t.pc)
         slo = self.default_slo
@@ -184,6 +185,8 @@ class SloGoodput:
             predicted_tpot_s=float(t.step_base_s[decode].mean()) if decode.any() else 0.0,
             tpot_target_s=slo.tpot_s or math.inf,
             encode_wait_s=encode_b * float(t.queued_tokens[encode].mean()) if encode.any() else 0.0,
+            mixed_ttft_s=float(ttft_s[mixed].mean()) if mixed.any() else 0.0,
+            mixed_tpot_s=float(t.chunked_step_s[mixed].mean()) if mixed.any() else 0.0,
         )
 
     @property

@@ -34,6 +34,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from kvtransfer.types import BlockHandle
+from router.correction import Outcome
 from router.front_door import Hold, Router
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
 from services.engine.block_hash import compute_block_hashes, image_hash_token_ids
@@ -72,6 +73,34 @@ class ExecutorConfig:
     # How long a re-placed request (its stream already started) waits for room; it is
     # never refused for its age, only when no worker could take it in this long.
     replace_hold_s: float = 60.0
+
+
+@dataclass(slots=True)
+class _Trace:
+    """What the router predicted for a request's first placement, and what it saw."""
+
+    plan: Plan | None = None
+    placed_s: float = 0.0
+    first_token_s: float | None = None
+    last_token_s: float = 0.0
+    num_tokens: int = 0
+    replaced: bool = False  # re-placed after a failure: its timings say nothing of the plan
+
+    def outcome(self) -> Outcome | None:
+        plan = self.plan
+        if plan is None or self.replaced or self.first_token_s is None:
+            return None
+        tpot_s = None
+        if self.num_tokens >= 2:
+            tpot_s = (self.last_token_s - self.first_token_s) / (self.num_tokens - 1)
+        return Outcome(
+            prefill_worker=plan.prefill_worker,
+            decode_worker=plan.decode_worker or plan.prefill_worker,
+            predicted_ttft_s=plan.predicted_ttft_s,
+            observed_ttft_s=self.first_token_s - self.placed_s,
+            predicted_tpot_s=plan.predicted_tpot_s,
+            observed_tpot_s=tpot_s,
+        )
 
 
 class _AttemptFailed(Exception):
@@ -135,13 +164,20 @@ class PlanExecutor:
             include_stop_str_in_output=sampling.include_stop_str_in_output,
         )
         generated: list[int] = []
-        attempts = self._attempts(profile, prompt_token_ids, sampling, images, detokenizer)
+        trace = _Trace()
+        attempts = self._attempts(profile, prompt_token_ids, sampling, images, detokenizer, trace)
         try:
             async with _closing(attempts):
                 async for delta in attempts:
+                    if delta.token_ids:
+                        now_s = time.monotonic()
+                        if trace.first_token_s is None:
+                            trace.first_token_s = now_s
+                        trace.last_token_s = now_s
                     generated.extend(delta.token_ids)
+                    trace.num_tokens = len(generated)
                     if delta.finish_reason is not None:
-                        self._router.observe_outcome(len(generated))
+                        self._router.observe_outcome(len(generated), trace.outcome())
                     yield delta
         finally:
             self._router.release(request_id)
@@ -153,17 +189,24 @@ class PlanExecutor:
         sampling: SamplingParams,
         images: tuple[ImageInput, ...],
         detokenizer: IncrementalDetokenizer,
+        trace: _Trace,
     ) -> AsyncGenerator[TokenDelta, None]:
-        """Place and run the request, placing it again (at most ``max_attempts`` times)
-        after a failure; ends after the delta with ``finish_reason``."""
+        """Place and run the request, placing it again after a failure (at most
+        ``max_attempts`` failures) or a decode worker without room (not a failure: as
+        often as it takes); ends after the delta with ``finish_reason``."""
         request_id = profile.request_id
         generated: list[int] = []
-        for attempt in range(self._config.max_attempts):
+        num_failures = 0  # failures of a worker or a pull; "no room" is not one
+        attempt = 0
+        while num_failures < self._config.max_attempts:
             attempt_id = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
             placing = profile if attempt == 0 else _replaced(profile, len(generated))
             plan = await self._place(placing, replaced=attempt > 0)
             if attempt == 0:
-                self._metrics.stage_s.labels("queue").observe(time.monotonic() - profile.arrival_s)
+                trace.plan, trace.placed_s = plan, time.monotonic()
+                self._metrics.stage_s.labels("queue").observe(trace.placed_s - profile.arrival_s)
+            else:
+                trace.replaced = True
             stream = self._execute(
                 plan, request_id, attempt_id, prompt_token_ids, tuple(generated), sampling, images
             )
@@ -183,6 +226,14 @@ class PlanExecutor:
             except _AttemptFailed as e:
                 reason = e.reason
             self._metrics.retries.labels(reason).inc()
+            attempt += 1
+            if reason != FailureKind.CAPACITY.value:
+                num_failures += 1
+                continue
+            # No room on the decode worker is nobody's failure: the request is re-placed
+            # (another worker, or this one as a whole request that waits in its queue)
+            # however often it takes; the request's own deadline bounds it.
+            await asyncio.sleep(self._config.hold_poll_s)
         raise ServiceFailure(f"request failed on {self._config.max_attempts} placements; giving up")
 
     def _prefix_hashes(

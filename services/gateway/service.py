@@ -144,13 +144,12 @@ class GatewayService:
     def _make_rebalancer(self) -> Rebalancer | None:
         """A P/D ratio planner loop, when the router's policy can report role pressure."""
         router = self.router
-        pressure = getattr(router.policy, "pressure", None)
-        if not callable(pressure):
+        if not callable(getattr(router.policy, "pressure", None)):
             return None
         return Rebalancer(
             self.controller,
             router.view,
-            pressure,
+            router.role_pressure,  # the policy's, raised by what admission refused
             RatioPlanner(interval_s=router.settings.rebalance_interval_s),
             self.metrics,
             lambda: router.mean_prompt_tokens,
@@ -212,10 +211,13 @@ class GatewayService:
 
     # -- telemetry -------------------------------------------------------------------------
     def _on_snapshot(self, s: WorkerSnapshot) -> None:
+        before = self.router.reports().get(s.worker_id)
         self.router.update(s)
         if self.router.is_alive(s.worker_id):
             self._max_model_lens[s.worker_id] = s.max_model_len
         m, wid, role = self.metrics, s.worker_id, s.role.value
+        if before is not None and before.role is not s.role:
+            self._drop_worker_series(wid, keep=s.role)  # labels follow the role
         m.kv_blocks.labels(wid, role, "used").set(s.num_used_blocks)
         m.kv_blocks.labels(wid, role, "free").set(s.num_free_blocks)
         m.kv_blocks.labels(wid, role, "cached").set(s.num_cached_blocks)
@@ -233,16 +235,23 @@ class GatewayService:
         self._max_model_lens.pop(worker_id, None)
         self.metrics.workers.labels(role.value, "dead").inc()
         self._count_workers()
+        self._drop_worker_series(worker_id)
+        with contextlib.suppress(KeyError):
+            self.metrics.worker_preemptions.remove(worker_id)
+
+    def _drop_worker_series(self, worker_id: str, keep: Role | None = None) -> None:
+        """Remove the worker's role-labelled series (but ``keep``'s): it may have had
+        several roles."""
         m = self.metrics
-        for r in Role:  # the worker may have changed role: drop every series it had
+        for r in Role:
+            if r is keep:
+                continue
             for state in ("used", "free", "cached", "held"):
                 with contextlib.suppress(KeyError):
                     m.kv_blocks.remove(worker_id, r.value, state)
             for state in ("running", "waiting"):
                 with contextlib.suppress(KeyError):
                     m.worker_requests.remove(worker_id, r.value, state)
-        with contextlib.suppress(KeyError):
-            m.worker_preemptions.remove(worker_id)
 
     def _count_workers(self) -> None:
         alive: dict[str, int] = {r.value: 0 for r in Role}

@@ -269,3 +269,56 @@ async def test_the_router_learns_the_link_and_holds_no_reservation_after_a_reque
         link = router.link(worker_id)
         assert link != seed and link.bandwidth_bytes_per_s < 4_000_000 / 0.49
     assert router.num_reservations() == 0
+
+
+async def test_no_room_on_the_decode_worker_is_re_placed_as_often_as_it_takes() -> None:
+    """Decode memory is full for longer than ``max_attempts`` placements: the request is
+    re-placed each time (never a 4xx/5xx for lack of decode memory) and completes once room
+    frees; a real failure still counts against ``max_attempts``."""
+    no_room = RequestFailed("r", FailureKind.CAPACITY, "no room to adopt: 9 blocks needed")
+    num_full = 5  # > max_attempts (3)
+
+    def decode(job: Job) -> list[WorkerEvent]:
+        if len(d.jobs) <= num_full:
+            return [no_room]
+        return [delta(B), delta(C), delta(D, FinishReason.LENGTH)]
+
+    p = ScriptedWorker("p", prefill_script)
+    d = ScriptedWorker("d", decode)
+    executor, metrics, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    out = await collect(executor)
+    assert "".join(x.text for x in out) == "abcd"
+    assert len(d.jobs) == num_full + 1
+    assert metrics.retries.labels("capacity")._value.get() == num_full
+    assert executor._router.num_reservations() == 0
+
+
+async def test_a_finished_request_teaches_the_router_its_workers_observed_speed() -> None:
+    """The executor measures TTFT from placement and TPOT between tokens and reports them,
+    with the plan's predictions, through ``observe_outcome``: the router's per-worker
+    correction moves from the identity towards what was seen."""
+    from router.correction import Outcome
+    from router.types import Plan
+
+    class FakePredicting:  # a fake policy: p -> d, predicting far faster than the workers
+        def plan(self, profile: Any, view: Any, now_s: float) -> Plan:
+            return Plan("p", "d", predicted_ttft_s=1e-6, predicted_tpot_s=1e-6)
+
+    seen: list[Outcome | None] = []
+    p = ScriptedWorker("p", prefill_script)
+    d = ScriptedWorker("d", lambda job: [delta(B), delta(C), delta(D, FinishReason.LENGTH)])
+    executor, _, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    router = executor._router
+    router.policy = FakePredicting()  # type: ignore[assignment]
+    observe = router.observe_outcome
+    router.observe_outcome = lambda n, o=None: (seen.append(o), observe(n, o))  # type: ignore[method-assign]
+    import time
+
+    sampling = SamplingParams(max_tokens=4, temperature=0.0)
+    for i in range(router.corrector.settings.min_samples):
+        [x async for x in executor.run(f"r{i}", PROMPT, sampling, time.monotonic())]
+    outcome = seen[-1]
+    assert outcome is not None and (outcome.prefill_worker, outcome.decode_worker) == ("p", "d")
+    assert outcome.observed_ttft_s is not None and outcome.observed_ttft_s > 1e-6
+    assert outcome.observed_tpot_s is not None and outcome.observed_tpot_s > 0
+    assert router.corrector.ttft_s("p", 1e-6) > 1e-6

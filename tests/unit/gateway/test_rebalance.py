@@ -42,10 +42,15 @@ async def test_prefill_pressure_flips_one_decode_worker_and_never_empties_a_pool
     roles = [s.role for s in svc.router.reports().values()]
     assert roles.count(Role.PREFILL) == 3 and roles.count(Role.DECODE) == 1
     assert svc.metrics.role_changes.labels("decode", "prefill")._value.get() == 1
-    assert await rebalancer.tick() is None  # the last decode worker stays
+    # The last decode worker is never given to prefill: it becomes mixed (still decodes).
+    flipped = await rebalancer.tick()
+    assert flipped is not None and flipped[1] is Role.MIXED and flipped[0].startswith("decode")
+    await asyncio.sleep(0.05)
+    roles = [s.role for s in svc.router.reports().values()]
+    assert roles.count(Role.PREFILL) == 3 and roles.count(Role.MIXED) == 1
 
-    current = pressure(prefill=1.0, decode=1.05)  # within hysteresis: leave it alone
-    assert await rebalancer.tick() is None
+    current = RolePressure(1.0, 1.0, 1.05, 0.0, 1.0, mixed_ttft_s=1.0, mixed_tpot_s=1.05)
+    assert await rebalancer.tick() is None  # within hysteresis: leave it alone
 
 
 async def test_slo_goodput_gets_a_rebalancer_round_robin_does_not(gateway: Any) -> None:

@@ -206,3 +206,40 @@ def test_the_rebalancer_drains_then_flips_a_decode_worker_to_prefill() -> None:
     assert done_s >= 1.0 + 0.25  # the first tick, then the flip latency at least
     assert simulate(config).summary["role_flips"] == len(cluster.flips)
     assert simulate(replace(config, rebalance=False)).summary["role_flips"] == 0
+
+
+def test_a_two_worker_cluster_becomes_two_mixed_under_shifting_traffic_and_serves_more() -> None:
+    """1 prefill + 1 decode under decode-light then prefill-heavy then decode-light traffic:
+    the lone workers cannot be given to the other role, so the planner pools them (both
+    become mixed), and the run's goodput beats the same run with flips off."""
+    from loadgen.sim.run import simulate_specs
+    from router.front_door import RouterSettings
+
+    rate, seconds = 20.0, 10.0
+
+    def phase(k: int, input_len: str, output_len: str) -> list:  # type: ignore[type-arg]
+        workload = WorkloadConfig(
+            input_len=input_len, output_len=output_len, num_requests=int(rate * seconds), seed=k
+        )
+        return [
+            replace(s, request_id=f"{k}-{s.request_id}", arrival_s=s.arrival_s + k * seconds)
+            for s in build_requests(workload, RateSpec(rate))
+        ]
+
+    chat = ("uniform:32-96", "uniform:100-200")
+    specs = sorted(
+        phase(0, *chat) + phase(1, "uniform:800-1200", "uniform:2-6") + phase(2, *chat),
+        key=lambda s: s.arrival_s,
+    )
+    config = SimConfig(
+        rate=RateSpec(rate),
+        router=RouterSettings(profile=load_profile(), rebalance_interval_s=seconds / 6),
+        policy="slo_goodput",
+        slo=GoodputSLO(ttft_ms=1000, tpot_ms=50),
+        flip_latency_s=0.25,
+    )
+    flipping = simulate_specs(config, specs).summary
+    fixed = simulate_specs(replace(config, rebalance=False), specs).summary
+    assert flipping["role_flips"] == 2 and flipping["num_colocated"] == 0  # started 1P+1D
+    assert fixed["role_flips"] == 0
+    assert flipping["request_goodput"] > 1.03 * fixed["request_goodput"], (flipping, fixed)

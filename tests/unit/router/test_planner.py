@@ -57,9 +57,46 @@ def test_flip_toward_the_pressed_role_once_per_interval() -> None:
 
 def test_no_flip_inside_the_hysteresis_band_or_that_empties_a_pool() -> None:
     planner = RatioPlanner(hysteresis=0.1)
-    # 0.9 vs 0.8 on 4+4: after a flip max(0.72, 1.07) is worse.
+    # 0.9 vs 0.8 on 4+4: after a flip max(0.72, 1.07) is worse; pooled 0.85 is not enough.
     assert planner.decide(0.0, _pressure(0.9, 0.8), 4, 4) is Flip.NONE
-    assert planner.decide(0.0, _pressure(3.0, 0.1), 1, 1) is Flip.NONE
+    # 1+1: the lone decode worker is not given to prefill; it becomes mixed (it still
+    # decodes, and prefills too).
+    assert planner.decide(0.0, _pressure(3.0, 0.1), 1, 1) is Flip.DECODE_TO_MIXED
+
+
+def _mixed(p: float, d: float, mixed_ttft: float, mixed_tpot: float) -> RolePressure:
+    return RolePressure(p, 1.0, d, 0.0, 1.0, mixed_ttft_s=mixed_ttft, mixed_tpot_s=mixed_tpot)
+
+
+def test_two_workers_move_from_1p1d_to_two_mixed_and_back() -> None:
+    planner = RatioPlanner(interval_s=1.0, hysteresis=0.1)
+    # Decode-heavy on 1P+1D: the idle prefill worker joins decoding first ...
+    assert planner.decide(0.0, _mixed(0.2, 2.0, 0.0, 0.0), 1, 1) is Flip.PREFILL_TO_MIXED
+    # ... then, the mixed one having room, the decode worker pools with it: 2 mixed.
+    assert planner.decide(1.0, _mixed(0.0, 2.0, 0.3, 0.3), 0, 1, 1) is Flip.DECODE_TO_MIXED
+    # Chunked prefills now break TPOT on the mixed workers: one goes back to decode ...
+    assert planner.decide(2.0, _mixed(0.0, 0.0, 0.5, 1.6), 0, 0, 2) is Flip.MIXED_TO_DECODE
+    # ... and the other to prefill (to decode would leave nothing that prefills): 1P+1D.
+    assert planner.decide(3.0, _mixed(0.0, 0.3, 0.5, 1.5), 0, 1, 1) is Flip.MIXED_TO_PREFILL
+    # Mixed workers within their targets stay mixed.
+    assert planner.decide(4.0, _mixed(0.0, 0.0, 0.9, 0.95), 0, 0, 2) is Flip.NONE
+
+
+def test_a_flipped_worker_dwells_in_its_role() -> None:
+    from router.planner import choose_flip
+    from router.types import Role
+    from tests.unit.router.builders import view, worker
+
+    planner = RatioPlanner(interval_s=1.0, hysteresis=0.1, min_dwell_s=10.0)
+    cluster = view(worker("p", Role.PREFILL), worker("d", Role.DECODE))
+    flip = choose_flip(cluster, _mixed(3.0, 0.1, 0.0, 0.0), planner, 0.0)
+    assert flip is not None and (flip.worker_id, flip.target) == ("d", Role.MIXED)
+    flipped = view(worker("p", Role.PREFILL), worker("d", Role.MIXED))
+    # The planner would send "d" back at once (mixed misses TPOT): it dwells 10 s first.
+    back = _mixed(0.1, 0.0, 0.2, 2.0)
+    assert choose_flip(flipped, back, planner, 5.0) is None
+    flip = choose_flip(flipped, back, planner, 11.0)
+    assert flip is not None and (flip.worker_id, flip.target) == ("d", Role.DECODE)
 
 
 def test_cli_prints_the_plan(tmp_path, capsys) -> None:

@@ -1,0 +1,66 @@
+"""Admission that learns: refuse at once what the corrected cost model says will miss.
+
+A policy that predicts (``Plan.predicted_ttft_s`` / ``predicted_tpot_s``, as
+``slo_goodput`` does) plans with its cost model; ``Admission.judge`` then prices that plan
+again through the workers' learned corrections (``router.correction``) and refuses it,
+before anything is reserved or queued, when
+
+* the request's age plus its corrected TTFT passes ``headroom × TTFT target``, or
+* its decode worker's corrected TPOT passes ``headroom × TPOT target``,
+
+where ``headroom`` is 1 for ``interactive`` and ``batch_headroom`` (< 1) for ``batch``
+requests: as a worker slows, batch requests are refused first, and interactive ones
+only when they too would miss. A refusal is a ``Reject`` with ``retry_after_s`` (the
+corrected TTFT of the plan, at least ``min_retry_after_s``): the gateway answers it
+with a 429 and ``Retry-After`` at once, never after a hold. Plans with no prediction
+(``round_robin``, ``least_loaded``, ``prefix_aware``) pass unjudged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.correction import OutcomeCorrector
+from router.types import SLO, Plan, Priority, Reject, RequestProfile
+
+__all__ = ["Admission", "AdmissionSettings"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    enabled: bool = True
+    batch_headroom: float = 0.8
+    min_retry_after_s: float = 1.0
+
+
+class Admission:
+    def __init__(self, settings: AdmissionSettings, corrector: OutcomeCorrector) -> None:
+        self.settings = settings
+        self.corrector = corrector
+
+    def judge(
+        self, profile: RequestProfile, plan: Plan, now_s: float, default_slo: SLO
+    ) -> Reject | None:
+        """None: admit ``plan``; else why not."""
+        if not self.settings.enabled:
+            return None
+        headroom = self.settings.batch_headroom if profile.priority is Priority.BATCH else 1.0
+        ttft_target_s = profile.slo.ttft_s or default_slo.ttft_s
+        tpot_target_s = profile.slo.tpot_s or default_slo.tpot_s
+        corrected_ttft_s = 0.0
+        if plan.predicted_ttft_s is not None:
+            corrected_ttft_s = self.corrector.ttft_s(plan.prefill_worker, plan.predicted_ttft_s)
+            elapsed_s = max(0.0, now_s - profile.arrival_s)
+            if (
+                ttft_target_s is not None
+                and elapsed_s + corrected_ttft_s > headroom * ttft_target_s
+            ):
+                return self._refuse("predicted ttft miss", corrected_ttft_s)
+        if plan.predicted_tpot_s is not None and tpot_target_s is not None:
+            decode = plan.decode_worker or plan.prefill_worker
+            if self.corrector.tpot_s(decode, plan.predicted_tpot_s) > headroom * tpot_target_s:
+                return self._refuse("predicted tpot miss", corrected_ttft_s)
+        return None
+
+    def _refuse(self, reason: str, wait_s: float) -> Reject:
+        return Reject(reason, retry_after_s=max(self.settings.min_retry_after_s, wait_s))

@@ -1,0 +1,142 @@
+"""Online correction of the cost model from what requests actually saw.
+
+The cost model predicts each plan's TTFT (queue + prefill + transfer, from the moment it
+is placed) and TPOT (its decode worker's step). A worker may run slower or faster than
+its profile says (another tenant on the host, a different CPU, a cold cache). Each
+finished request reports its observed TTFT and TPOT against the plan's prediction
+(``Outcome``); per worker and per quantity, ``Correction`` fits
+
+    observed ≈ bias_s + scale · predicted
+
+by least squares over a short window of the latest pairs, so a change in a worker's
+speed is followed within ``window`` requests. With few pairs, or predictions that
+barely vary, it falls back to a pure bias (the mean error); ``scale`` is clamped so
+that one odd request cannot turn the fit upside down.
+
+Pure: no clock reads; the caller measures and passes durations.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["Correction", "CorrectionSettings", "LinearFit", "Outcome", "OutcomeCorrector"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One finished request: its plan's predictions and what was measured.
+
+    TTFT counts from the plan's placement to the first token; TPOT is the mean time
+    between the request's later tokens (None with fewer than two tokens)."""
+
+    prefill_worker: str
+    decode_worker: str  # the prefill worker's id when colocated
+    predicted_ttft_s: float | None
+    observed_ttft_s: float | None
+    predicted_tpot_s: float | None
+    observed_tpot_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectionSettings:
+    window: int = 32  # pairs kept per worker and quantity
+    min_samples: int = 4  # fewer: no correction
+    min_scale: float = 0.25
+    max_scale: float = 8.0
+    # Predictions must spread this much (relative std) for a scale to be fitted.
+    min_relative_spread: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class LinearFit:
+    bias_s: float = 0.0
+    scale: float = 1.0
+
+    def apply(self, predicted_s: float) -> float:
+        return max(0.0, self.bias_s + self.scale * predicted_s)
+
+
+_IDENTITY = LinearFit()
+
+
+class Correction:
+    """One worker's one quantity: the window of (predicted, observed) and its fit."""
+
+    def __init__(self, settings: CorrectionSettings) -> None:
+        self._settings = settings
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=settings.window)
+        self._fit: LinearFit | None = _IDENTITY
+
+    def observe(self, predicted_s: float, observed_s: float) -> None:
+        self._pairs.append((predicted_s, observed_s))
+        self._fit = None  # refitted when next read
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._pairs)
+
+    @property
+    def fit(self) -> LinearFit:
+        if self._fit is None:
+            self._fit = self._refit()
+        return self._fit
+
+    def _refit(self) -> LinearFit:
+        s = self._settings
+        n = len(self._pairs)
+        if n < s.min_samples:
+            return _IDENTITY
+        mean_p = sum(p for p, _ in self._pairs) / n
+        mean_o = sum(o for _, o in self._pairs) / n
+        var_p = sum((p - mean_p) ** 2 for p, _ in self._pairs) / n
+        if var_p <= (s.min_relative_spread * mean_p) ** 2 or var_p == 0.0:
+            return LinearFit(bias_s=mean_o - mean_p, scale=1.0)
+        cov = sum((p - mean_p) * (o - mean_o) for p, o in self._pairs) / n
+        scale = min(s.max_scale, max(s.min_scale, cov / var_p))
+        return LinearFit(bias_s=mean_o - scale * mean_p, scale=scale)
+
+
+class OutcomeCorrector:
+    """Per-worker corrections of TTFT (keyed by the prefill worker) and TPOT (keyed by
+    the decode worker), fed by ``observe`` and read by ``ttft_s`` / ``tpot_s``."""
+
+    def __init__(self, settings: CorrectionSettings | None = None) -> None:
+        self.settings = settings or CorrectionSettings()
+        self._ttft: dict[str, Correction] = {}
+        self._tpot: dict[str, Correction] = {}
+
+    def observe(self, outcome: Outcome) -> None:
+        o = outcome
+        if o.predicted_ttft_s is not None and o.observed_ttft_s is not None:
+            self._get(self._ttft, o.prefill_worker).observe(o.predicted_ttft_s, o.observed_ttft_s)
+        if o.predicted_tpot_s is not None and o.observed_tpot_s is not None:
+            self._get(self._tpot, o.decode_worker).observe(o.predicted_tpot_s, o.observed_tpot_s)
+
+    def ttft_s(self, worker_id: str, predicted_s: float) -> float:
+        c = self._ttft.get(worker_id)
+        return predicted_s if c is None else c.fit.apply(predicted_s)
+
+    def tpot_s(self, worker_id: str, predicted_s: float) -> float:
+        c = self._tpot.get(worker_id)
+        return predicted_s if c is None else c.fit.apply(predicted_s)
+
+    def ttft_fit(self, worker_id: str) -> LinearFit:
+        c = self._ttft.get(worker_id)
+        return _IDENTITY if c is None else c.fit
+
+    def tpot_fit(self, worker_id: str) -> LinearFit:
+        c = self._tpot.get(worker_id)
+        return _IDENTITY if c is None else c.fit
+
+    def forget(self, worker_id: str) -> None:
+        """A worker died or changed role: what it taught no longer holds."""
+        self._ttft.pop(worker_id, None)
+        self._tpot.pop(worker_id, None)
+
+    def _get(self, table: dict[str, Correction], worker_id: str) -> Correction:
+        c = table.get(worker_id)
+        if c is None:
+            c = table[worker_id] = Correction(self.settings)
+        return c

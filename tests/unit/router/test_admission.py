@@ -1,0 +1,95 @@
+"""Admission that learns, through ``router.Router``: plans priced again by each worker's
+learned correction; what will miss is refused at once (never held), ``batch`` first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.correction import Outcome
+from router.front_door import Hold, Router, RouterSettings
+from router.types import SLO, ClusterView, Plan, Priority, Reject, RequestProfile, Role
+from tests.unit.router.test_front_door import snapshot
+
+TARGET = SLO(ttft_s=1.0, tpot_s=0.1)
+
+
+class FakePredictingPolicy:
+    """Plans p -> d with fixed predictions, as ``slo_goodput`` would (a fake: tests only)."""
+
+    def __init__(self, ttft_s: float | None = 0.5, tpot_s: float | None = 0.05) -> None:
+        self.ttft_s, self.tpot_s = ttft_s, tpot_s
+
+    def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan:
+        return Plan("p", "d", predicted_ttft_s=self.ttft_s, predicted_tpot_s=self.tpot_s)
+
+
+def build(policy: Any) -> Router:
+    r = Router(RouterSettings(policy="round_robin", default_slo=TARGET), policy=policy)
+    r.update(snapshot("p", Role.PREFILL))
+    r.update(snapshot("d", Role.DECODE))
+    return r
+
+
+def teach(r: Router, ttft_factor: float = 1.0, tpot_factor: float = 1.0) -> None:
+    """Requests finish this many times slower than predicted."""
+    for i in range(12):
+        predicted = 0.2 + 0.02 * i
+        r.observe_outcome(
+            10,
+            Outcome("p", "d", predicted, ttft_factor * predicted, 0.05, tpot_factor * 0.05),
+        )
+
+
+def ask(r: Router, rid: str, priority: Priority = Priority.INTERACTIVE) -> Any:
+    return r.place(RequestProfile(rid, 100, 100, 16, priority=priority, arrival_s=0.0), 0.0)
+
+
+def test_an_honest_model_admits_everything() -> None:
+    r = build(FakePredictingPolicy(ttft_s=0.75))
+    teach(r)
+    assert isinstance(ask(r, "i"), Plan)
+    assert isinstance(ask(r, "b", Priority.BATCH), Plan)  # 0.75 < 0.8 x 1.0
+
+
+def test_batch_is_shed_first_then_interactive_as_the_worker_slows() -> None:
+    r = build(FakePredictingPolicy(ttft_s=0.5))
+    teach(r, ttft_factor=1.8)  # 0.5 -> 0.9: batch (0.8 s) misses, interactive (1 s) meets
+    batch = ask(r, "b", Priority.BATCH)
+    assert isinstance(batch, Reject) and batch.reason == "predicted ttft miss"
+    assert isinstance(ask(r, "i"), Plan)
+    teach(r, ttft_factor=2.4)  # slower still: 0.5 -> over 1 s, interactive misses too
+    refused = ask(r, "i2")
+    assert isinstance(refused, Reject) and not isinstance(refused, Hold)
+    assert refused.retry_after_s >= 1.0 and r.num_reservations() == 1  # only "i" holds room
+
+
+def test_a_slow_decode_worker_refuses_by_tpot() -> None:
+    r = build(FakePredictingPolicy(tpot_s=0.05))
+    teach(r, tpot_factor=3.0)
+    refused = ask(r, "i")
+    assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
+
+
+def test_the_age_of_a_request_counts_against_its_ttft() -> None:
+    r = build(FakePredictingPolicy(ttft_s=0.5))
+    teach(r)
+    profile = RequestProfile("old", 100, 100, 16, arrival_s=0.0)
+    assert isinstance(r.place(profile, 0.6), Reject)  # 0.6 s waited + 0.5 s > 1 s
+
+
+def test_re_placements_and_unpredicted_plans_are_never_judged() -> None:
+    r = build(FakePredictingPolicy(ttft_s=0.5))
+    teach(r, ttft_factor=4.0)
+    profile = RequestProfile("x", 100, 100, 16)
+    assert isinstance(r.place(profile, 0.0, replaced=True), Plan)  # its stream started
+    r = build(FakePredictingPolicy(ttft_s=None, tpot_s=None))
+    teach(r, ttft_factor=4.0)
+    assert isinstance(ask(r, "y"), Plan)
+
+
+def test_a_worker_that_changes_role_starts_afresh() -> None:
+    r = build(FakePredictingPolicy(ttft_s=0.5))
+    teach(r, ttft_factor=4.0)
+    assert isinstance(ask(r, "a"), Reject)
+    r.update(snapshot("p", Role.MIXED, seq=2))
+    assert isinstance(ask(r, "b"), Plan)
