@@ -55,6 +55,11 @@ class EngineConfig(_Section):
         description="admit waiting requests by the past-future peak estimate, or by free blocks now",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per worker")
+    packed_linears: bool = Field(
+        True,
+        description="embedded, CPU float32: keep a oneDNN-packed second copy of each large "
+        "linear weight (faster steps above one row; one more copy of those weights in memory)",
+    )
     vllm: dict[str, Any] = Field(
         default_factory=dict,
         description="backend vllm: extra vLLM EngineArgs (dtype, enforce_eager, "

@@ -72,7 +72,7 @@ class LLMEngine:
         admission: AdmissionPolicy | None = None,
     ) -> None:
         self.model = loaded.model
-        if can_pack(self.model):  # CPU float32: oneDNN-packed weights (linear.py)
+        if config.packed_linears and can_pack(self.model):  # oneDNN-packed weights (linear.py)
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 32))
         self.tokenizer = loaded.tokenizer
         self.config = config

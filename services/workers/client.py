@@ -148,7 +148,7 @@ class RayWorkerClient:
         ).remote(subscriber)
         try:
             async for ref in stream:
-                yield await ref
+                yield await _value(ref)
         finally:
             with contextlib.suppress(Exception):
                 ray.cancel(stream)
@@ -164,7 +164,7 @@ class RayWorkerClient:
         ).remote()
         try:
             async for ref in stream:
-                yield await ref
+                yield await _value(ref)
         except ray.exceptions.RayActorError as e:
             raise WorkerDiedError(self.worker_id, type(e).__name__) from e
         finally:
@@ -203,3 +203,20 @@ class RayWorkerClient:
             self._demux.close()
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
+
+
+async def _value(ref: Any) -> Any:
+    """A stream item's value: read at once when it is already here, else awaited.
+
+    A small item (every event batch but huge ones) arrives inline with the stream's
+    report, so it is here when the stream yields its ref; awaiting a ready ref still
+    goes through Ray's future machinery, 0.2-0.5 ms an item measured here (an
+    actor's stream on a loaded 2-core box, p50 of 300 items). An item held elsewhere
+    (a large one, another node's) is awaited, never waited for on the event loop.
+    """
+    import ray
+
+    try:
+        return ray.get(ref, timeout=0)
+    except ray.exceptions.GetTimeoutError:
+        return await ref

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.linear import can_pack, linear, pack_linears
+from services.engine.linear import MIN_PACKED_ELEMENTS, can_pack, linear, pack_linears
 
 
 def test_a_packed_layer_computes_f_linear_for_any_number_of_rows() -> None:
@@ -15,7 +17,7 @@ def test_a_packed_layer_computes_f_linear_for_any_number_of_rows() -> None:
     layers = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 32, bias=False))
     if not can_pack(layers):
         pytest.skip("this torch has no oneDNN packed linear")
-    assert pack_linears(layers, batch_size_hint=16) == 2
+    assert pack_linears(layers, batch_size_hint=16, min_elements=0) == 2
     for layer in layers:
         assert isinstance(layer, nn.Linear) and "packed_weight" in layer.__dict__
     for num_rows in (1, 5, 16, 300):
@@ -33,3 +35,33 @@ def test_an_unpacked_layer_is_plain_f_linear() -> None:
 
 def test_only_float32_cpu_models_are_packed() -> None:
     assert not can_pack(nn.Linear(8, 4).to(torch.bfloat16))
+
+
+def test_small_layers_stay_plain_by_default() -> None:
+    """A packed call's fixed cost outweighs a small layer's arithmetic: only large ones pack."""
+    layers = nn.Sequential(nn.Linear(64, 64), nn.Linear(512, 512))
+    if not can_pack(layers):
+        pytest.skip("this torch has no oneDNN packed linear")
+    assert MIN_PACKED_ELEMENTS == 512 * 512
+    assert pack_linears(layers, batch_size_hint=16) == 1
+    assert "packed_weight" not in layers[0].__dict__
+    assert "packed_weight" in layers[1].__dict__
+
+
+def test_the_engine_packs_only_when_its_config_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.engine import engine as engine_module
+    from tests.unit.engine.engine_helpers import make_engine
+
+    def packed(engine: engine_module.LLMEngine) -> list[str]:
+        return [n for n, m in engine.model.named_modules() if "packed_weight" in m.__dict__]
+
+    default = make_engine("tiny")
+    if not can_pack(default.model):
+        pytest.skip("this torch has no oneDNN packed linear")
+    assert packed(default) == []  # every layer of the tiny model is below MIN_PACKED_ELEMENTS
+    # Every layer large enough: on by default, off by config.
+    monkeypatch.setattr(
+        engine_module, "pack_linears", functools.partial(pack_linears, min_elements=0)
+    )
+    assert "lm_head" in packed(make_engine("tiny"))
+    assert packed(make_engine("tiny", packed_linears=False)) == []
