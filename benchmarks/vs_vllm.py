@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine import save_llama_100m  # benchmarks/engine.py
-from vllm_backend import free_port, run_server  # benchmarks/vllm_backend.py
+from vllm_backend import free_port, run_server, workload_arguments  # benchmarks/vllm_backend.py
 
 
 def baton_config(threads: int) -> dict[str, Any]:
@@ -45,14 +45,7 @@ def baton_config(threads: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=2, help="CPU threads of each engine")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
-    p.add_argument("--start-timeout", type=float, default=600.0)
+    p = workload_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--skip-vllm", action="store_true", help="only Baton (no ratios)")
     args = p.parse_args(argv)
 
