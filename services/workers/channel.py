@@ -37,7 +37,7 @@ from services.workers.messages import (
     WorkerEvent,
 )
 
-__all__ = ["ChannelClosed", "EventDemux", "Outbox", "coalesce", "is_final"]
+__all__ = ["ChannelClosed", "Coalesced", "EventDemux", "Outbox", "is_final"]
 
 
 def is_final(event: WorkerEvent) -> bool:
@@ -133,24 +133,34 @@ class EventDemux:
                     await aclose()
 
 
-def coalesce(
-    event: WorkerEvent | ChannelClosed, queued: asyncio.Queue[WorkerEvent | ChannelClosed]
-) -> WorkerEvent | ChannelClosed:
-    """Merge token deltas that piled up behind ``event`` (only when the consumer lags).
+class Coalesced:
+    """One request's queue, read with the token deltas that piled up behind an event
+    merged into it (only when the consumer lags), in arrival order.
 
     A delta is "everything since the last one" either way; merging saves the consumer
-    one wake-up per step it fell behind.
+    one wake-up per step it fell behind. An event that is not a delta ends a merge and
+    is the next one ``get`` returns, so nothing queued after it overtakes it.
     """
-    while isinstance(event, TokenDelta) and event.finish_reason is None and not queued.empty():
-        follower = queued.get_nowait()
-        if not isinstance(follower, TokenDelta):
-            queued.put_nowait(follower)  # keep order: rare (a failure after tokens)
-            break
-        event = dataclasses.replace(
-            follower,
-            token_ids=event.token_ids + follower.token_ids,
-            logprobs=(event.logprobs or ()) + (follower.logprobs or ())
-            if event.logprobs or follower.logprobs
-            else None,
-        )
-    return event
+
+    def __init__(self, queued: asyncio.Queue[WorkerEvent | ChannelClosed]) -> None:
+        self._queued = queued
+        self._carried: WorkerEvent | ChannelClosed | None = None
+
+    async def get(self) -> WorkerEvent | ChannelClosed:
+        event, self._carried = self._carried, None
+        if event is None:
+            event = await self._queued.get()
+        queued = self._queued
+        while isinstance(event, TokenDelta) and event.finish_reason is None and not queued.empty():
+            follower = queued.get_nowait()
+            if not isinstance(follower, TokenDelta):
+                self._carried = follower
+                break
+            event = dataclasses.replace(
+                follower,
+                token_ids=event.token_ids + follower.token_ids,
+                logprobs=(event.logprobs or ()) + (follower.logprobs or ())
+                if event.logprobs or follower.logprobs
+                else None,
+            )
+        return event

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from router.types import Role
-from services.workers.channel import ChannelClosed, EventDemux, coalesce, is_final
+from services.workers.channel import ChannelClosed, Coalesced, EventDemux, is_final
 from services.workers.messages import EventBatch, Job, WorkerEvent, WorkerSnapshot
 from services.workers.worker import Worker
 
@@ -118,10 +118,11 @@ class RayWorkerClient:
         request_id = job.request.request_id
         events = demux.register(request_id)
         self.actor.submit.remote(demux.subscriber, job)
+        reader = Coalesced(events)
         finished = False
         try:
             while not finished:
-                event = coalesce(await events.get(), events)
+                event = await reader.get()
                 if isinstance(event, ChannelClosed):
                     raise WorkerDiedError(self.worker_id, event.cause)
                 finished = is_final(event)

@@ -29,7 +29,7 @@ from kvtransfer.connector import KVConnector
 from router.types import Role
 from services.backends.protocol import Engine
 from services.engine.messages import EngineRequest, InvalidRequestError
-from services.workers.channel import ChannelClosed, Outbox, coalesce, is_final
+from services.workers.channel import ChannelClosed, Coalesced, Outbox, is_final
 from services.workers.loop import EngineLoop
 from services.workers.messages import (
     EventBatch,
@@ -107,10 +107,11 @@ class Worker:
         events: asyncio.Queue[WorkerEvent | ChannelClosed] = asyncio.Queue()
         self._streams[request_id] = events
         self._loop.submit(job)
+        reader = Coalesced(events)
         finished = False
         try:
             while not finished:
-                event = coalesce(await events.get(), events)
+                event = await reader.get()
                 if isinstance(event, ChannelClosed):  # only a channel's queues get one
                     raise RuntimeError(event.cause)
                 finished = is_final(event)

@@ -10,8 +10,15 @@ import pytest
 from router.types import Role
 from services.backends.fake import FakeEngine, FakeTokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
-from services.workers.channel import ChannelClosed, EventDemux
-from services.workers.messages import EventBatch, Generate, TokenDelta, WorkerEvent
+from services.workers.channel import ChannelClosed, Coalesced, EventDemux
+from services.workers.messages import (
+    EventBatch,
+    FailureKind,
+    Generate,
+    RequestFailed,
+    TokenDelta,
+    WorkerEvent,
+)
 from services.workers.worker import Worker, WorkerSpec
 
 pytestmark = pytest.mark.asyncio
@@ -98,3 +105,23 @@ async def test_a_broken_channel_closes_every_waiting_request() -> None:
         assert isinstance(closed, ChannelClosed) and "ConnectionError" in closed.cause
     late = demux.register("c")  # a request registered after the break fails at once
     assert isinstance(late.get_nowait(), ChannelClosed)
+
+
+async def test_lagging_deltas_merge_and_an_event_after_them_keeps_its_place() -> None:
+    """Deltas that piled up are read as one; a failure queued after them comes next, and
+    whatever was queued after the failure still comes after it."""
+    queued: asyncio.Queue[WorkerEvent | ChannelClosed] = asyncio.Queue()
+    failed = RequestFailed("r", FailureKind.TRANSFER, "pull failed")
+    for event in (
+        TokenDelta("r", (1,), ""),
+        TokenDelta("r", (2,), ""),
+        failed,
+        ChannelClosed("gone"),
+    ):
+        queued.put_nowait(event)
+    reader = Coalesced(queued)
+    first = await reader.get()
+    assert isinstance(first, TokenDelta) and first.token_ids == (1, 2)
+    assert await reader.get() is failed
+    closed = await reader.get()
+    assert isinstance(closed, ChannelClosed) and closed.cause == "gone"
