@@ -19,38 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from loadgen.server_proc import free_port, stop, wait_until_serving
 
 _ROOT = Path(__file__).resolve().parent.parent
 _KEYS = ("median_tpot_ms", "p90_tpot_ms", "median_ttft_ms", "p90_ttft_ms", "failed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"baton serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"baton serve did not come up in {timeout_s:.0f} s")
 
 
 def _bench(url: str, out_dir: Path) -> dict[str, Any]:
@@ -67,7 +45,7 @@ def _bench(url: str, out_dir: Path) -> dict[str, Any]:
 
 
 def serve_and_measure(tree: Path, start_timeout_s: float) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [
         sys.executable, "-m", "services.cli", "serve", "--config", "deploy/configs/local.yaml",
@@ -78,17 +56,13 @@ def serve_and_measure(tree: Path, start_timeout_s: float) -> dict[str, Any]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, start_timeout_s)
+        wait_until_serving(url, proc, start_timeout_s, path="/v1/models", poll_s=1.0)
         load_before = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as out_dir:
             figures = _bench(url, Path(out_dir))
         load_after = os.getloadavg()[0]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, grace_s=60)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
     ).stdout.strip()

@@ -26,16 +26,13 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import pytest
 
 from loadgen import cli_profile
@@ -44,6 +41,7 @@ from loadgen.client import BenchConfig, run_bench
 from loadgen.metrics import GoodputSLO, compute_summary
 from loadgen.report import write_run
 from loadgen.scenario import WorkloadConfig
+from loadgen.server_proc import free_port, stop, wait_until_serving
 from loadgen.sim import SimConfig, simulate
 from loadgen.sim.profile import Profile, QuadCoeffs
 from router.front_door import RouterSettings
@@ -68,15 +66,9 @@ WORKLOAD = WorkloadConfig(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", params=["round_robin", "slo_goodput"])
 def server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -96,25 +88,10 @@ def server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"baton serve exited with {proc.returncode}")
-            time.sleep(1)
-        else:
-            pytest.fail("baton serve did not come up in 180 s")
+        wait_until_serving(url, proc, 180, path="/v1/models", poll_s=1.0)
         yield request.param, url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, grace_s=60)
 
 
 def _measure_profile(url: str) -> Profile:

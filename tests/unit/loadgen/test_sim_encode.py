@@ -8,26 +8,17 @@ holds up the requests queued behind it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from loadgen.arrivals import RateSpec
 from loadgen.sim import SimConfig, simulate_specs
-from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs
 from loadgen.workload import RequestSpec
 from router.cost_model import EncodeCoeffs
+from tests.unit.loadgen.test_sim import PROFILE as TEXT_PROFILE
 
-PROFILE = Profile(
-    model="hand",
-    hardware="paper",
-    prefill=QuadCoeffs(0.01, 0.001, 0.0),
-    decode=QuadCoeffs(0.01, 0.0, 0.0001),
-    transfer=TransferCoeffs(bandwidth_bytes_per_s=1e6, latency_s=0.005),
-    kv_bytes_per_token=100,
-    num_kv_blocks=1000,
-    block_size=16,
-    max_num_seqs=8,
-    encode=EncodeCoeffs(a=0.02, b=0.001),
-)
+PROFILE = replace(TEXT_PROFILE, encode=EncodeCoeffs(a=0.02, b=0.001))
 PER_IMAGE = 10  # image tokens per image
 
 
