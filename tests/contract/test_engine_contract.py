@@ -27,6 +27,7 @@ from services.config import EngineConfig, ModelConfig
 from services.engine.messages import (
     EngineRequest,
     FinishReason,
+    ImageInput,
     InvalidRequestError,
     RequestOutput,
     SamplingParams,
@@ -144,6 +145,20 @@ def test_bad_input_raises_and_others_continue(build: Build) -> None:
     ):
         with pytest.raises(InvalidRequestError):
             engine.add_request(bad)
+    outs = run(engine)
+    assert set(outs) == {"ok"} and len(tokens(outs["ok"])) == 3
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_vllm_refuses_images_and_keeps_serving(vllm_engines: list) -> None:
+    """vLLM's LLaVA path cannot load on its CPU build (README, "vLLM." under images):
+    an image request is refused, not served with its images silently dropped."""
+    engine = vllm_engines[0]
+    image = ImageInput("ab" * 32, offset=1, num_tokens=2, data=b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(InvalidRequestError, match="does not take images"):
+        engine.add_request(EngineRequest("img", (5, 9, 9, 6), greedy(3), images=(image,)))
+    engine.add_request(EngineRequest("ok", (5, 6, 7), greedy(3)))
     outs = run(engine)
     assert set(outs) == {"ok"} and len(tokens(outs["ok"])) == 3
 

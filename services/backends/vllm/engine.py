@@ -160,8 +160,9 @@ class VllmEngine:
         payload) it continues a request whose prompt KV vLLM's connector pulls."""
         request.sampling.validate()
         if request.images:
-            # Not wired to vLLM's multimodal inputs yet: refuse rather than ignore them.
-            raise InvalidRequestError("the vllm backend does not take images yet", "messages")
+            # vLLM's LLaVA path needs torchvision, which its CPU build cannot import
+            # (README, "vLLM." under images): refuse rather than drop the images.
+            raise InvalidRequestError("the vllm backend does not take images", "messages")
         remote_kv = request.remote_kv
         prior = request.output_token_ids
         if remote_kv is not None and not prior:
