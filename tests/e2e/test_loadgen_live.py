@@ -162,10 +162,11 @@ def test_bench_zero_failed_and_close_to_simulation(server: tuple[str, str], tmp_
     # slo_goodput TTFT -7% / -14%, TPOT -16% / -17% (the closest to the bound; probably the
     # simulator under-prices decode steps that carry a colocated prefill's chunks, unchecked);
     # goodput and throughput within 1%.
-    # Stopgap, not issue 13's bound: slo_goodput's p50 TPOT is held to 35%. Its plans run
-    # some requests whole on the decode worker, and live those steps (prefill chunks in a
-    # decode batch, both workers busy on 2 cores) cost more than the profile's isolated
-    # curves say: -16% / -17% on a lightly loaded VM, -32% with a CI run beside it.
+    # Stopgap, not issue 13's bound: slo_goodput's p50 TPOT is held to 35%; the simulator
+    # under-predicts it: -16% / -17% on a lightly loaded VM, -32% with a CI run beside it.
+    # The likely cause (not yet checked): its plans run some requests whole on the decode
+    # worker, and live those steps (prefill chunks in a decode batch, both workers busy on
+    # 2 cores) cost more than the profile's isolated curves say.
     # Every other key, and round_robin's TPOT, keep 20%.
     for key in keys:
         rel = 0.35 if (policy, key) == ("slo_goodput", "median_tpot_ms") else 0.2
