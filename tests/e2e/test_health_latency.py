@@ -2,8 +2,9 @@
 1,000 prompts x n=16 is refused, and while the largest admitted fan-out (64 sequences of
 big prompts) is tokenized, planned and served.
 
-The workers are Ray actors, as ``baton serve`` runs them: in-process workers would share
-the gateway's GIL, and /health would then measure the engine thread, not the loop."""
+The gateway is ``baton serve`` in its own process, with its workers as Ray actors, as a
+user runs it: a gateway inside the test process would share its GIL with every thread the
+suite left there, and /health would measure those, not the gateway's loop."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import time
 import httpx
 import pytest
 
-from tests.support.cluster import real_service, tiny_config
-from tests.support.server import ServedGateway
+from tests.support.serve_cli import baton_serve, serve_env
+
+SERVE_ARGS = ["--model", "tiny", "--mode", "colocated", "--prefill", "1", "--decode", "0"]
+SERVE_ARGS += ["--policy", "round_robin", "--worker-cpus", "0", "--log-level", "warning"]
 
 
 def _sample_health(base_url: str, stop: threading.Event, out: list[float]) -> None:
@@ -27,14 +30,9 @@ def _sample_health(base_url: str, stop: threading.Event, out: list[float]) -> No
             time.sleep(0.005)
 
 
-@pytest.mark.ray
 @pytest.mark.slow
-def test_health_p99_under_100ms_while_a_huge_fan_out_is_refused_or_admitted(
-    ray_cluster: str,
-) -> None:
-    config = tiny_config(**{"kvtransfer.backend": "local", "workers.mode": "colocated"})
-    with ServedGateway(real_service(config, ray=True)) as server:
-        base = server.base_url
+def test_health_p99_under_100ms_while_a_huge_fan_out_is_refused_or_admitted() -> None:
+    with baton_serve(SERVE_ARGS, serve_env(), ready_s=180) as base:
         latencies_s: list[float] = []
         stop = threading.Event()
         sampler = threading.Thread(target=_sample_health, args=(base, stop, latencies_s))
