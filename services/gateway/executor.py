@@ -345,9 +345,7 @@ class PlanExecutor:
                         log.warning("request %s on %s: %s", request_id, encode_id, message)
                         raise _AttemptFailed(kind.value)
         finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await _aclose(events)
         raise _AttemptFailed("stream_ended")
 
     async def _run_plan(
@@ -500,9 +498,14 @@ class PlanExecutor:
             self._router.release(placed_id, worker_id)
             if not finished:
                 client.abort(request.request_id)
-            aclose = getattr(events, "aclose", None) if events is not None else None
-            if aclose is not None:
-                await aclose()
+            await _aclose(events)
+
+
+async def _aclose(events: object) -> None:
+    """Close a worker's event stream if it can be closed (fakes may give plain iterators)."""
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def _unreserve(router: Router, placed_id: str, plan: Plan, keep: str | None = None) -> None:
