@@ -72,3 +72,16 @@ def ray_resources(value: str) -> dict[str, float]:
     shell quoting around JSON."""
     assert value[0] == value[-1] and value[0] in "'\"", f"not shell-quoted: {value!r}"
     return dict(json.loads(value[1:-1].replace("\\", "")))
+
+
+def container_resources(container: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A container's resource requests and limits."""
+    res = container.get("resources", {})
+    return res.get("requests", {}), res.get("limits", {})
+
+
+def group_values(values: dict[str, Any], group: str) -> dict[str, Any]:
+    """One worker group's values: a role's own section, or an extra group by name."""
+    if group in ("prefill", "decode", "encode"):
+        return dict(values.get(group, {}))
+    return next(g for g in values.get("extraWorkerGroups", []) if g["name"] == group)

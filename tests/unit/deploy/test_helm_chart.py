@@ -1,5 +1,6 @@
 """The Helm chart: strict lint, strict schema validation of every object, and the
-properties a GPU deployment depends on, for the defaults and every ci/ value set."""
+worker groups, Ray resources, autoscaling and cluster config it renders, for the
+defaults and every ci/ value set."""
 
 from __future__ import annotations
 
@@ -15,28 +16,16 @@ from tests.unit.deploy.chart_objects import (
     Pod,
     by_kind,
     gateway_pod,
+    group_values,
     one,
     pods,
     ray_resources,
 )
 from tests.unit.deploy.conftest import CHART, NAMESPACE, VALUE_SETS, load_values
-from tests.unit.deploy.gateway_routes import gateway_routes
 from tests.unit.deploy.k8s_schemas import CRDSchemas, SchemaMissingError, validate_object
 
 SETS = list(VALUE_SETS)
 ROLES = {"prefill", "decode", "encode", "mixed"}
-
-
-def _docs(rendered_sets: dict[str, list[dict[str, Any]]], name: str) -> list[dict[str, Any]]:
-    return rendered_sets[name]
-
-
-def _resources(container: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    res = container.get("resources", {})
-    return res.get("requests", {}), res.get("limits", {})
-
-
-# --- lint and schemas -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -51,7 +40,7 @@ def test_lint_strict_reports_no_errors_or_warnings(name: str) -> None:
 def test_every_object_is_valid_against_its_schema(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]], crd_schemas: CRDSchemas
 ) -> None:
-    docs = _docs(rendered_sets, name)
+    docs = rendered_sets[name]
     errors = {f"{d['kind']}/{d['metadata']['name']}": validate_object(d, crd_schemas) for d in docs}
     assert {k: v for k, v in errors.items() if v} == {}
     # The pod templates inside the RayCluster are also checked as core PodTemplates, so a
@@ -87,111 +76,6 @@ def test_crd_validation_is_strict_about_unknown_fields(
     assert any("minReplicas" in e for e in errors), errors
 
 
-# --- pods and resources ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_gpu_limits_equal_requests_and_match_the_group(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    values = load_values(name)
-    defaults_gpus = values.get("workerDefaults", {}).get("gpus", 1)
-    for pod in pods(_docs(rendered_sets, name)):
-        for container in pod.spec["containers"] + pod.spec.get("initContainers", []):
-            requests, limits = _resources(container)
-            assert requests.get("nvidia.com/gpu") == limits.get("nvidia.com/gpu"), pod.group
-        if pod.is_worker:
-            group = _group_values(values, pod.group)
-            expected = group.get("gpus", defaults_gpus)
-            requests, limits = _resources(pod.main)
-            assert limits.get("nvidia.com/gpu", "0") == str(expected), pod.group
-
-
-def _group_values(values: dict[str, Any], group: str) -> dict[str, Any]:
-    if group in ("prefill", "decode", "encode"):
-        return dict(values.get(group, {}))
-    return next(g for g in values.get("extraWorkerGroups", []) if g["name"] == group)
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_every_pod_mounts_a_memory_backed_dev_shm_with_a_size_limit(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    all_pods = list(pods(_docs(rendered_sets, name)))
-    assert any(p.is_worker for p in all_pods)
-    for pod in all_pods:
-        mounts = {m["mountPath"]: m["name"] for m in pod.main["volumeMounts"]}
-        assert "/dev/shm" in mounts, pod.group
-        volume = next(v for v in pod.spec["volumes"] if v["name"] == mounts["/dev/shm"])
-        assert volume["emptyDir"]["medium"] == "Memory"
-        assert re.fullmatch(r"[0-9]+[KMGT]i", volume["emptyDir"]["sizeLimit"])
-
-
-def test_a_group_can_override_the_shm_size(rendered_sets: dict[str, list[dict[str, Any]]]) -> None:
-    sizes = {
-        p.group: next(v for v in p.spec["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
-        for p in pods(rendered_sets["large-multigroup-values"])
-    }
-    assert sizes["head"] == "8Gi" and sizes["decode-b200"] == "64Gi"
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_rdma_resource_and_ipc_lock_exactly_when_enabled(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    rdma = {"enabled": False, "resourceName": "rdma/ib", "count": 1} | load_values(name).get(
-        "rdma", {}
-    )
-    for pod in pods(_docs(rendered_sets, name)):
-        requests, limits = _resources(pod.main)
-        caps = pod.main["securityContext"].get("capabilities", {}).get("add", [])
-        if rdma["enabled"] and pod.is_worker:
-            assert requests[rdma["resourceName"]] == limits[rdma["resourceName"]]
-            assert limits[rdma["resourceName"]] == str(rdma["count"])
-            assert "IPC_LOCK" in caps
-        else:
-            assert not any(k.startswith("rdma/") for k in {**requests, **limits}), pod.group
-            assert "IPC_LOCK" not in caps
-
-
-def test_rdma_is_enabled_by_at_least_one_value_set() -> None:
-    assert any(load_values(n).get("rdma", {}).get("enabled") for n in SETS)
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_workers_get_pod_ip_and_nixl_env_from_the_downward_api(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    values = load_values(name)
-    for pod in pods(_docs(rendered_sets, name)):
-        env = {e["name"]: e for e in pod.main["env"]}
-        for var in ("BATON_POD_IP", "VLLM_NIXL_SIDE_CHANNEL_HOST"):
-            assert env[var]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        assert env["BATON_ROLE"]["value"] == pod.role
-        # UCX_TLS is always explicit: the value set's, else the chart's default.
-        ucx_tls = values.get("nixl", {}).get("ucxTls", "tcp,sm,self,cuda_copy,cuda_ipc")
-        assert env["UCX_TLS"]["value"] == ucx_tls
-        # Ray token authentication on every pod, from one Secret, so pods join and
-        # nothing outside the release can submit work.
-        assert env["RAY_AUTH_MODE"]["value"] == "token"
-        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_pods_run_as_non_root_without_privilege_escalation(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    for pod in pods(_docs(rendered_sets, name)):
-        assert pod.spec["securityContext"]["runAsNonRoot"] is True
-        for container in pod.spec["containers"] + pod.spec.get("initContainers", []):
-            ctx = container["securityContext"]
-            assert ctx["allowPrivilegeEscalation"] is False
-            assert ctx["capabilities"]["drop"] == ["ALL"]
-
-
-# --- worker groups, Ray resources and autoscaling -----------------------------------------
-
-
 def _pod_ray_resources(pod: Pod, docs: list[dict[str, Any]]) -> dict[str, float]:
     if pod.source == "raycluster":
         group = next(
@@ -209,14 +93,14 @@ def _pod_ray_resources(pod: Pod, docs: list[dict[str, Any]]) -> dict[str, float]
 def test_each_worker_group_offers_its_roles_ray_resource(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
-    docs = _docs(rendered_sets, name)
+    docs = rendered_sets[name]
     values = load_values(name)
     per_pod_default = values.get("workerDefaults", {}).get("workersPerPod", 1)
     workers = [p for p in pods(docs) if p.is_worker]
     assert {"prefill", "decode"} <= {p.role for p in workers}
     for pod in workers:
         assert pod.role in ROLES
-        expected = _group_values(values, pod.group).get("workersPerPod", per_pod_default)
+        expected = group_values(values, pod.group).get("workersPerPod", per_pod_default)
         assert _pod_ray_resources(pod, docs) == {pod.role: expected}
 
 
@@ -244,7 +128,7 @@ def _autoscaling(values: dict[str, Any]) -> str:
 def test_replicas_are_left_to_the_autoscaler_when_one_is_enabled(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
-    docs = _docs(rendered_sets, name)
+    docs = rendered_sets[name]
     spec = one(docs, "RayCluster")["spec"]
     groups = spec.get("workerGroupSpecs", [])
     deployments = [d for d in by_kind(docs, "Deployment") if d is not _gateway_deployment(docs)]
@@ -285,7 +169,7 @@ def _gateway_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_only_the_ray_autoscaler_gets_api_access(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
-    docs = _docs(rendered_sets, name)
+    docs = rendered_sets[name]
     ray_mode = _autoscaling(load_values(name)) == "ray"
     tokens = {p.group: p.spec["automountServiceAccountToken"] for p in pods(docs)}
     assert tokens == {group: ray_mode and group == "head" for group in tokens}
@@ -318,7 +202,7 @@ def test_every_autoscaling_mode_is_covered_by_a_value_set() -> None:
 def test_the_configmap_is_a_valid_cluster_config_matching_the_groups(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
-    docs = _docs(rendered_sets, name)
+    docs = rendered_sets[name]
     values = load_values(name)
     config_map = one(docs, "ConfigMap")
     config = ClusterConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
@@ -352,42 +236,11 @@ def test_the_configmap_is_a_valid_cluster_config_matching_the_groups(
         assert mounts["model"] == model.get("mountPath", "/models")
 
 
-# --- gateway, traffic and disruption -------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_gateway_probes_hit_routes_the_gateway_serves(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    docs = _docs(rendered_sets, name)
-    gateway = gateway_pod(docs)
-    main = gateway.main
-    get_paths = {path for method, path in gateway_routes() if method == "GET"}
-    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        http = main[probe]["httpGet"]
-        assert http["path"] in get_paths, (probe, http["path"])
-        assert http["port"] == "http"
-    # Readiness must follow /health (503 while starting or draining).
-    assert main["readinessProbe"]["httpGet"]["path"] == "/health"
-    service = one(docs, "Service")
-    assert service["spec"]["ports"][0]["targetPort"] == "http"
-    assert service["spec"]["ports"][0]["port"] == ports["http"]
-    selected = [
-        p
-        for p in pods(docs)
-        if service["spec"]["selector"].items() <= p.template["metadata"]["labels"].items()
-    ]
-    assert selected == [gateway]  # the Service reaches the gateways, and only them
-    assert f"--port {ports['http']}" in main["args"][0]
-    assert "RAY_ADDRESS=auto exec baton gateway" in main["args"][0]
-
-
 @pytest.mark.parametrize("name", SETS)
 def test_the_gateway_is_its_own_deployment_of_two_and_the_head_runs_only_ray_and_the_controller(
     name: str, rendered_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
-    docs = _docs(rendered_sets, name)
+    docs = rendered_sets[name]
     values = load_values(name)
     deployment = _gateway_deployment(docs)
     assert deployment["spec"]["replicas"] == values.get("gateway", {}).get("replicas", 2)
@@ -407,152 +260,6 @@ def test_the_gateway_is_its_own_deployment_of_two_and_the_head_runs_only_ray_and
             assert "baton_controller" not in str(pod.template)
 
 
-@pytest.mark.parametrize("name", SETS)
-def test_the_gateways_have_a_disruption_budget_keeping_one_serving(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    docs = _docs(rendered_sets, name)
-    labels = gateway_pod(docs).template["metadata"]["labels"]
-    budgets = [
-        b["spec"]
-        for b in by_kind(docs, "PodDisruptionBudget")
-        if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    ]
-    assert budgets == [{"minAvailable": 1, "selector": budgets[0]["selector"]}]
-    assert budgets[0]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_api_key_comes_from_the_named_secret_only_when_given(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    api_key = load_values(name).get("apiKey", {})
-    env = {e["name"]: e for e in gateway_pod(_docs(rendered_sets, name)).main["env"]}
-    for pod in pods(_docs(rendered_sets, name)):  # no other pod holds the key
-        if pod.source != "gateway":
-            assert "BATON_API_KEY" not in {e["name"] for e in pod.main["env"]}, pod.group
-    if api_key.get("existingSecret"):
-        ref = env["BATON_API_KEY"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": api_key["existingSecret"], "key": api_key.get("key", "api-key")}
-    else:
-        assert "BATON_API_KEY" not in env
-
-
-def test_a_key_file_secret_is_mounted_into_the_gateway_and_passed_as_api_keys_file(
-    render_fn: Any,
-) -> None:
-    docs = render_fn({"apiKeys": {"existingSecret": "baton-keys", "key": "keys.yaml"}})
-    head = gateway_pod(docs)
-    assert "--api-keys-file /etc/baton-keys/keys.yaml" in head.main["args"][0]
-    mount = next(m for m in head.main["volumeMounts"] if m["name"] == "api-keys")
-    assert mount == {"name": "api-keys", "mountPath": "/etc/baton-keys", "readOnly": True}
-    volume = next(v for v in head.spec["volumes"] if v["name"] == "api-keys")
-    assert volume["secret"]["secretName"] == "baton-keys"
-    plain = gateway_pod(render_fn({}))
-    assert "--api-keys-file" not in plain.main["args"][0]
-    assert all(v["name"] != "api-keys" for v in plain.spec["volumes"])
-
-
-def _policies_for(docs: list[dict[str, Any]], labels: dict[str, str]) -> list[dict[str, Any]]:
-    return [
-        p["spec"]
-        for p in by_kind(docs, "NetworkPolicy")
-        if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
-    ]
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_network_policy_lets_only_the_release_reach_workers_and_only_gateways_take_http(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    """Worker and KV-transfer ports: reachable from the release's gateways, workers and head
-    (Ray and the controller) only; the gateway port: on the gateways only."""
-    docs = _docs(rendered_sets, name)
-    values = load_values(name)
-    extra = values.get("networkPolicy", {}).get("extraIngress", [])
-    release = dict(one(docs, "Service")["spec"]["selector"])
-    release.pop("app.kubernetes.io/component")
-    for pod in pods(docs):
-        labels = pod.template["metadata"]["labels"]
-        rules = [r for spec in _policies_for(docs, labels) for r in spec["ingress"]]
-        assert all(spec["policyTypes"] == ["Ingress"] for spec in _policies_for(docs, labels))
-        for rule in rules:
-            if rule in extra:
-                continue
-            peers = rule.get("from", [])
-            intra = bool(peers) and all(
-                p.get("podSelector", {}).get("matchLabels") == release for p in peers
-            )
-            if pod.source == "gateway" and not intra:
-                assert rule["ports"] == [{"port": "http", "protocol": "TCP"}], rule
-            else:
-                assert intra, (pod.group, rule)  # a worker, the head: only from the release
-        assert rules, pod.group  # every pod is covered by a policy
-        if pod.is_worker:
-            ports = {p["name"] for p in pod.main.get("ports", [])}
-            assert "nixl-side" in ports  # the KV-transfer port the policy guards
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_each_worker_group_has_a_disruption_budget_selecting_its_pods(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    docs = _docs(rendered_sets, name)
-    budgets = [b["spec"] for b in by_kind(docs, "PodDisruptionBudget")]
-    for pod in pods(docs):
-        labels = pod.template["metadata"]["labels"]
-        matching = [b for b in budgets if b["selector"]["matchLabels"].items() <= labels.items()]
-        if pod.is_worker:
-            assert len(matching) == 1 and matching[0]["maxUnavailable"] == 1, pod.group
-        elif pod.source == "head" and load_values(name).get("podDisruptionBudget", {}).get(
-            "head", {}
-        ).get("enabled"):
-            assert [b["maxUnavailable"] for b in matching] == [0]
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_service_monitor_scrapes_the_gateway_metrics_route_when_enabled(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    docs = _docs(rendered_sets, name)
-    monitors = by_kind(docs, "ServiceMonitor")
-    if not load_values(name).get("serviceMonitor", {}).get("enabled"):
-        assert monitors == []
-        return
-    (monitor,) = monitors
-    service = one(docs, "Service")
-    assert (
-        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    )
-    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
-    assert ("GET", endpoint["path"]) in gateway_routes()
-
-
-def test_model_download_init_container_fills_the_volume_the_workers_read(
-    rendered_sets: dict[str, list[dict[str, Any]]],
-) -> None:
-    for pod in pods(rendered_sets["epd-values"]):
-        (init,) = pod.spec["initContainers"]
-        init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
-        main_mounts = {m["name"]: m for m in pod.main["volumeMounts"]}
-        assert init_mounts["model"] == main_mounts["model"]["mountPath"]
-        assert main_mounts["model"].get("readOnly") is True
-        env = {e["name"]: e for e in init["env"]}
-        assert env["MODEL_REPO_ID"]["value"] == "llava-hf/llava-1.5-7b-hf"
-        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
-
-
-def test_a_pvc_model_source_mounts_the_claim_read_only(
-    rendered_sets: dict[str, list[dict[str, Any]]],
-) -> None:
-    for pod in pods(rendered_sets["rdma-values"]):
-        volume = next(v for v in pod.spec["volumes"] if v["name"] == "model")
-        assert volume["persistentVolumeClaim"] == {"claimName": "llama-weights", "readOnly": True}
-        assert "initContainers" not in pod.spec
-
-
 def _rendered_config(docs: list[dict[str, Any]]) -> ClusterConfig:
     config_map = one(docs, "ConfigMap")
     return ClusterConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
@@ -564,7 +271,7 @@ def test_every_value_set_names_an_existing_backend(
 ) -> None:
     from services.backends import BACKENDS
 
-    assert _rendered_config(_docs(rendered_sets, name)).engine.backend in BACKENDS
+    assert _rendered_config(rendered_sets[name]).engine.backend in BACKENDS
 
 
 @pytest.mark.parametrize(("gpus", "tensor_parallel"), [(1, None), (2, 2)])
@@ -604,40 +311,6 @@ def test_cpu_worker_groups_ask_for_no_gpus(render_fn: Any) -> None:
     assert gpus_per_worker(config, Role.DECODE, cluster_has_gpus=True) == 0
 
 
-@pytest.mark.parametrize("name", SETS)
-def test_ray_token_secret_and_no_dashboard_outside_the_pod(
-    name: str, rendered_sets: dict[str, list[dict[str, Any]]]
-) -> None:
-    docs = _docs(rendered_sets, name)
-    secrets = {d["metadata"]["name"]: d for d in by_kind(docs, "Secret")}
-    refs = {
-        e["valueFrom"]["secretKeyRef"]["name"]
-        for pod in pods(docs)
-        for e in pod.main["env"]
-        if e["name"] == "RAY_AUTH_TOKEN"
-    }
-    assert len(refs) == 1  # head and workers share one token
-    (ref,) = refs
-    assert len(secrets[ref]["data"]["token"]) >= 48  # created by the chart, base64
-    spec = one(docs, "RayCluster")["spec"]["headGroupSpec"]
-    assert spec["rayStartParams"]["dashboard-host"] == "127.0.0.1"
-    ports = [p for pod in pods(docs) for c in pod.spec["containers"] for p in c.get("ports", [])]
-    assert not any(p["containerPort"] == 8265 for p in ports)
-    for service in by_kind(docs, "Service"):
-        assert all(p["port"] != 8265 for p in service["spec"]["ports"])
-
-
-def test_a_given_ray_token_secret_is_used_and_none_is_created(render_fn: Any) -> None:
-    docs = render_fn({"rayAuth": {"existingSecret": "my-ray-token", "key": "t"}})
-    assert not by_kind(docs, "Secret")
-    for pod in pods(docs):
-        env = {e["name"]: e for e in pod.main["env"]}
-        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
-            "name": "my-ray-token",
-            "key": "t",
-        }
-
-
 def test_the_encode_group_starts_encode_workers_with_a_kv_connector(
     rendered_sets: dict[str, list[dict[str, Any]]],
 ) -> None:
@@ -647,7 +320,7 @@ def test_the_encode_group_starts_encode_workers_with_a_kv_connector(
     from services.cluster.factories import factories_for
     from services.cluster.specs import worker_specs
 
-    config_map = one(_docs(rendered_sets, "epd-values"), "ConfigMap")
+    config_map = one(rendered_sets["epd-values"], "ConfigMap")
     config = ClusterConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
     assert config.engine.backend == "embedded" and config.workers.mode == "disaggregated"
     specs = worker_specs(config, *factories_for(config))
