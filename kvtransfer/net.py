@@ -1,11 +1,11 @@
-"""The address a worker advertises to peers on other nodes."""
+"""The address a worker advertises to peers on other nodes, and a free port to listen on."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-__all__ = ["advertised_host"]
+__all__ = ["advertised_host", "free_port"]
 
 
 def advertised_host() -> str:
@@ -22,3 +22,10 @@ def advertised_host() -> str:
             return host
     except OSError:
         return "127.0.0.1"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` (``""``: every interface) that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -7,21 +7,17 @@ One copy of what the e2e tests and the benchmarks do around ``baton serve``,
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
+from kvtransfer.net import free_port
+
+__all__ = ["ROOT", "NotServing", "child_env", "free_port", "stop", "wait_until_serving"]
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ __all__ = ["BACKENDS", "MOVES_OWN_KV", "make_engine"]
 # name -> "module:factory"; a factory takes (model_cfg, engine_cfg, admission) -> Engine.
 BACKENDS: dict[str, str] = {
     "embedded": "services.backends.embedded:make_embedded_engine",
-    "vllm": "services.backends.vllm.engine:make_vllm_engine",
+    "vllm": "services.backends.vllm.start:make_vllm_engine",
     "fake": "services.backends.fake:make_fake_engine",  # tests: no model
 }
 # Backends whose engine moves KV between workers itself (vLLM's NixlConnector):

@@ -30,55 +30,34 @@ text is unchanged.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import socket
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-import torch
-
-from kvtransfer.net import advertised_host
 from kvtransfer.types import KVLayout
-from services.backends.protocol import AdmissionPolicy
-from services.backends.vllm.options import check_vllm_options
-from services.config import EngineConfig, ModelConfig
+from services.backends.vllm.params import remote_decode_params, sampling_params, token_logprobs
 from services.engine.messages import (
     EngineError,
     EngineRequest,
     EngineStats,
     FinishReason,
     InvalidRequestError,
-    ModelLoadError,
     RequestOutput,
     RunningRequestStats,
-    SamplingParams,
     StepStats,
-    StructuredOutput,
-    TokenLogprob,
 )
 
-__all__ = ["VllmEngine", "make_vllm_engine"]
+__all__ = ["VllmEngine"]
 
 log = logging.getLogger(__name__)
 
 _RECENT_STEPS = 64
 _RECENT_OUTPUT_LENS = 256
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +164,15 @@ class VllmEngine:
             )
         if request.request_id in self._tracked:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
-        params = self._sampling(request.sampling, len(known), len(tokens), request.prefill_only)
+        params = sampling_params(
+            request.sampling,
+            len(known),
+            len(tokens),
+            request.prefill_only,
+            self._info.max_model_len,
+        )
         if request.prefill_only:
-            params.extra_args = {"kv_transfer_params": _remote_decode_params()}
+            params.extra_args = {"kv_transfer_params": remote_decode_params()}
         elif remote_kv is not None:
             params.extra_args = {"kv_transfer_params": dict(remote_kv)}
         try:
@@ -198,37 +183,6 @@ class VllmEngine:
             raise InvalidRequestError(str(e)) from e
         self._tracked[request.request_id] = _Tracked(
             request, str(internal_id), len(known), drop_first
-        )
-
-    def _sampling(
-        self, s: SamplingParams, num_known: int, num_tokens: int, prefill_only: bool
-    ) -> Any:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        remaining = s.max_tokens - num_known
-        if remaining <= 0:
-            raise InvalidRequestError("max_tokens already reached", "max_tokens")
-        remaining = min(remaining, self._info.max_model_len - num_tokens)
-        max_tokens = 1 if prefill_only else remaining
-        return VllmSamplingParams(
-            n=1,
-            max_tokens=max_tokens,
-            min_tokens=0 if prefill_only else max(0, min(s.min_tokens - num_known, max_tokens)),
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else 0,
-            min_p=s.min_p,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            seed=s.seed,
-            stop_token_ids=list(s.stop_token_ids) or None,
-            ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs,
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
-            structured_outputs=_structured(s.structured, num_known),
-            logit_bias=dict(s.logit_bias) or None,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -278,7 +232,7 @@ class VllmEngine:
             return None
         completion = out.outputs[0]
         token_ids = tuple(int(t) for t in completion.token_ids)
-        logprobs = _logprobs(completion.logprobs, token_ids) if completion.logprobs else None
+        logprobs = token_logprobs(completion.logprobs, token_ids) if completion.logprobs else None
         if tracked.drop_first and tracked.num_generated == 0 and token_ids:
             streamed = tracked.request.output_token_ids[-1]
             if token_ids[0] != streamed:
@@ -396,119 +350,3 @@ class VllmEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(list(token_ids))
         return text
-
-
-def _structured(so: StructuredOutput | None, num_known: int) -> Any:
-    """Baton's backend-neutral constraint as vLLM's StructuredOutputsParams.
-
-    vLLM starts a grammar at the first token it generates: a continuation sent as
-    prompt + tokens so far (after a failover) would restart it, so it is refused
-    here rather than produce text outside the grammar.
-    """
-    if so is None:
-        return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    if num_known:
-        raise InvalidRequestError(
-            "the vllm backend cannot resume a constrained request mid-output", so.param
-        )
-    match so.kind:
-        case "json":
-            fields: dict[str, Any] = {"json": so.spec}
-        case "json_object":
-            fields = {"json_object": True}
-        case "choice":
-            fields = {"choice": json.loads(so.spec)}
-        case _:
-            fields = {so.kind: so.spec}
-    return StructuredOutputsParams(disable_any_whitespace=not so.any_whitespace, **fields)
-
-
-def _remote_decode_params() -> dict[str, Any]:
-    return {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-
-
-def _logprobs(
-    entries: Sequence[Mapping[int, Any]], token_ids: Sequence[int]
-) -> tuple[TokenLogprob, ...]:
-    result = []
-    for token_id, entry in zip(token_ids, entries, strict=False):
-        chosen = entry.get(token_id)
-        top = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1])
-        result.append(
-            TokenLogprob(
-                token_id=token_id,
-                logprob=float(chosen.logprob) if chosen is not None else float("-inf"),
-                top=tuple(top),
-            )
-        )
-    return tuple(result)
-
-
-def make_vllm_engine(
-    model_cfg: ModelConfig,
-    engine_cfg: EngineConfig,
-    admission: AdmissionPolicy | None = None,
-    *,
-    kv_lease_s: float | None = None,
-) -> VllmEngine:
-    """Start vLLM on ``model_cfg.name`` (a local folder).
-
-    ``kv_lease_s`` set: this worker takes part in P/D; vLLM's NixlConnector is
-    enabled (role ``kv_both``, so the worker can flip between prefill and decode)
-    with that lease on held prefill blocks. ``admission`` is the embedded engine's
-    hook; vLLM admits by its own scheduler.
-    """
-    del admission
-    if not os.path.isdir(model_cfg.name):
-        raise ModelLoadError(
-            f"the vllm backend loads a local model folder; {model_cfg.name!r} is not one "
-            "(the built-in 'tiny' model is the embedded engine's)"
-        )
-    options = dict(engine_cfg.vllm)
-    check_vllm_options(options)
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    on_cpu = engine_cfg.device == "cpu" or (
-        engine_cfg.device == "auto" and not torch.cuda.is_available()
-    )
-    args: dict[str, Any] = {
-        "dtype": model_cfg.dtype,
-        "max_model_len": engine_cfg.max_model_len,
-        "max_num_seqs": engine_cfg.max_num_seqs,
-        "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
-        "enable_prefix_caching": engine_cfg.enable_prefix_caching,
-    }  # block size: vLLM's default for the platform (CPU attention needs a multiple of 32)
-    if on_cpu:
-        args["kv_cache_memory_bytes"] = engine_cfg.kv_cache_bytes
-    args.update(options)
-    if kv_lease_s is not None:
-        from vllm.config import KVTransferConfig
-
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = advertised_host()
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
-        args["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_role="kv_both",
-            kv_buffer_device="cpu" if on_cpu else "cuda",
-            kv_connector_extra_config={"kv_lease_duration": max(1, math.ceil(kv_lease_s))},
-            # A pull that fails (the prefill worker died after its first token):
-            # the decoder computes the prompt itself; greedy text is unchanged.
-            kv_load_failure_policy="recompute",
-        )
-    name = model_cfg.served_model_name or model_cfg.name
-    engine_args = EngineArgs(model=model_cfg.name, seed=model_cfg.seed, **args)
-    try:
-        llm = LLMEngine.from_engine_args(engine_args)
-    except (ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"vLLM could not start on {model_cfg.name!r}: {e}") from e
-    return VllmEngine(llm, name)

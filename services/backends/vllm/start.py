@@ -1,0 +1,87 @@
+"""Starting vLLM for a worker: engine arguments from Baton's config, and vLLM's
+NixlConnector when the worker takes part in P/D.
+
+The connector's role is ``kv_both``, so a worker can flip between prefill and
+decode; a pull that fails (the prefill worker died after its first token) makes the
+decoder compute the prompt itself, so greedy text is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+
+from kvtransfer.net import advertised_host, free_port
+from services.backends.protocol import AdmissionPolicy
+from services.backends.vllm.engine import VllmEngine
+from services.backends.vllm.options import check_vllm_options
+from services.config import EngineConfig, ModelConfig
+from services.engine.messages import ModelLoadError
+
+__all__ = ["make_vllm_engine"]
+
+
+def make_vllm_engine(
+    model_cfg: ModelConfig,
+    engine_cfg: EngineConfig,
+    admission: AdmissionPolicy | None = None,
+    *,
+    kv_lease_s: float | None = None,
+) -> VllmEngine:
+    """Start vLLM on ``model_cfg.name`` (a local folder).
+
+    ``kv_lease_s`` set: this worker takes part in P/D; vLLM's NixlConnector is
+    enabled (role ``kv_both``, so the worker can flip between prefill and decode)
+    with that lease on held prefill blocks. ``admission`` is the embedded engine's
+    hook; vLLM admits by its own scheduler.
+    """
+    del admission
+    if not os.path.isdir(model_cfg.name):
+        raise ModelLoadError(
+            f"the vllm backend loads a local model folder; {model_cfg.name!r} is not one "
+            "(the built-in 'tiny' model is the embedded engine's)"
+        )
+    options = dict(engine_cfg.vllm)
+    check_vllm_options(options)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    on_cpu = engine_cfg.device == "cpu" or (
+        engine_cfg.device == "auto" and not torch.cuda.is_available()
+    )
+    args: dict[str, Any] = {
+        "dtype": model_cfg.dtype,
+        "max_model_len": engine_cfg.max_model_len,
+        "max_num_seqs": engine_cfg.max_num_seqs,
+        "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
+        "enable_prefix_caching": engine_cfg.enable_prefix_caching,
+    }  # block size: vLLM's default for the platform (CPU attention needs a multiple of 32)
+    if on_cpu:
+        args["kv_cache_memory_bytes"] = engine_cfg.kv_cache_bytes
+    args.update(options)
+    if kv_lease_s is not None:
+        from vllm.config import KVTransferConfig
+
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = advertised_host()
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(""))
+        args["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_both",
+            kv_buffer_device="cpu" if on_cpu else "cuda",
+            kv_connector_extra_config={"kv_lease_duration": max(1, math.ceil(kv_lease_s))},
+            # A pull that fails (the prefill worker died after its first token):
+            # the decoder computes the prompt itself; greedy text is unchanged.
+            kv_load_failure_policy="recompute",
+        )
+    name = model_cfg.served_model_name or model_cfg.name
+    engine_args = EngineArgs(model=model_cfg.name, seed=model_cfg.seed, **args)
+    try:
+        llm = LLMEngine.from_engine_args(engine_args)
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"vLLM could not start on {model_cfg.name!r}: {e}") from e
+    return VllmEngine(llm, name)
