@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base, baton = rows
     summary = {
-        "summary": "baton embedded vs vllm api_server (same run, same threads)",
+        "summary": "baton embedded vs vllm api_server (same run)",
         "threads": args.threads,
         "vllm_bind": args.vllm_bind,
         "vllm_torch_compile": not args.eager,
