@@ -53,9 +53,23 @@ def bench(base_url: str, folder: Path, args: argparse.Namespace) -> dict[str, An
 
 
 def run_server(
-    label: str, cmd: list[str], port: int, folder: Path, args: argparse.Namespace, log: Path
+    label: str,
+    cmd: list[str],
+    port: int,
+    folder: Path,
+    args: argparse.Namespace,
+    log: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    """Start ``cmd``, load it with ``baton bench``, stop it; the row carries the load average
+    (1 min) before and after, since on a shared machine it moves every figure."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **(extra_env or {}),
+    }
+    load_before = os.getloadavg()[0]
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
         base_url = f"http://127.0.0.1:{port}"
@@ -66,7 +80,12 @@ def run_server(
             summary = bench(base_url, folder, args)
         finally:
             stop(proc, grace_s=60)
-    return {"server": label, "startup_s": round(start_s, 1), **_pick(summary)}
+    return {
+        "server": label,
+        "startup_s": round(start_s, 1),
+        **_pick(summary),
+        "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
 
 
 def workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
