@@ -451,6 +451,7 @@ class Router:
         num_free_blocks = s.num_free_blocks
         link = self._published_links.get(wid)
         reserved = self._by_worker.get(wid, ())
+        inbound_tokens = 0
         for rid in reserved:
             r = self._reservations[rid]
             if r.plan.prefill_worker == wid:
@@ -462,6 +463,8 @@ class Router:
             if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
                 num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
                 running.append(RunningRequest(r.held_tokens, 0, r.max_tokens))
+                if r.plan.prefill_worker != wid:  # its KV comes over this worker's link
+                    inbound_tokens += r.held_tokens
         return WorkerView(
             worker_id=wid,
             role=s.role,
@@ -481,6 +484,7 @@ class Router:
             prefill_budget_tokens=s.prefill_budget_tokens,
             link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s if link else 0.0,
             link_latency_s=link.latency_s if link else None,
+            inbound_tokens=inbound_tokens,
         )
 
 

@@ -86,6 +86,7 @@ class WorkerTable:
         self.chunked_step_s = zeros()  # a step that also carries a full prefill chunk
         self.num_running, self.max_num_seqs = zeros(), zeros()
         self.held_tokens, self.peak_tokens = zeros(), zeros()
+        self.inbound_tokens = zeros()  # KV placed to decode here, not yet running here
         self.limit_tokens, self.batch_limit_tokens = zeros(), zeros()
         self.fullness = zeros()
         self.queued_tokens = zeros()
@@ -179,6 +180,7 @@ class WorkerTable:
         self.num_running[i] = num_running
         self.max_num_seqs[i] = w.max_num_seqs
         self.held_tokens[i] = held_total
+        self.inbound_tokens[i] = w.inbound_tokens
 
         total_blocks = w.num_total_blocks or s.profile.num_kv_blocks
         free_blocks = w.num_free_blocks if w.num_total_blocks else total_blocks

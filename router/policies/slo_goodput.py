@@ -266,6 +266,10 @@ class SloGoodput:
             ttft_pair = ttft_local[p] + kv_bytes / np.minimum(t.bandwidth[p], t.bandwidth)
             ttft_pair += np.maximum(t.link_latency_s[p], t.link_latency_s)  # the slower end
             ok = decode_ok & decodable & (ttft_pair <= budget_s)
+            # A decode worker's link first carries the KV already reserved there, and the
+            # second token waits for it: past one TPOT of queue, a less loaded link wins.
+            short_link = ok & (t.inbound_tokens * t.transfer_s_per_token <= tpot_limit_s)
+            ok = short_link if short_link.any() else ok
             d = self._pick(ok, sure, t.fullness, held_q, r_q, limit)
             if d >= 0:
                 best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))

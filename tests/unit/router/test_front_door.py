@@ -155,6 +155,27 @@ def test_a_reserved_slot_is_not_given_twice() -> None:
     assert isinstance(third, Plan) and third.decode_worker == "d_tight"
 
 
+def test_a_decode_link_with_a_tpot_of_kv_queued_on_it_gives_way_to_a_free_one() -> None:
+    # PROFILE's link: 150 prompt tokens of KV take 15 ms, the TPOT target is 20 ms. The
+    # fuller decode worker is preferred until the KV reserved to land on it would hold a
+    # request's second token past one TPOT.
+    r = router()
+    r.mark_dead("d")
+    r.update(snapshot("d_full", Role.DECODE, running=_busy(3, 300)))
+    r.update(snapshot("d_free", Role.DECODE))
+
+    def decode_of(request_id: str) -> str | None:
+        plan = r.place(request(request_id, prompt=150), 0.0)
+        assert isinstance(plan, Plan)
+        return plan.decode_worker
+
+    assert [decode_of("a"), decode_of("b")] == ["d_full", "d_full"]  # 0, then 15 ms queued
+    assert decode_of("c") == "d_free"  # 30 ms queued on d_full's link
+    assert [w.inbound_tokens for w in r.view().workers[1:]] == [300, 150]
+    r.release("a", "d_full")  # landed and running there: off the link
+    assert decode_of("e") == "d_full"
+
+
 def test_a_colocated_reservation_lands_once_on_its_host() -> None:
     r = Router(
         RouterSettings(profile=PROFILE, default_slo=SLO_DEFAULT, colocate_roles=(Role.MIXED,))
