@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.admission import Admission, AdmissionSettings
-from router.correction import Outcome, OutcomeCorrector
+from router.correction import CorrectionSettings, Outcome, OutcomeCorrector
 from router.cost_model import DEFAULT_PROFILE, Profile, TransferCoeffs, load_profile
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import LinkFit
@@ -70,6 +70,7 @@ _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes pref
 _LINK_TOLERANCE = 0.05
 _DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
 _DEFAULT_ADMISSION = AdmissionSettings()
+_DEFAULT_CORRECTION = CorrectionSettings()
 
 
 class WorkerReport(Protocol):
@@ -124,6 +125,7 @@ class RouterSettings:
     colocate_roles: tuple[Role, ...] = (Role.MIXED, Role.DECODE)  # may run a whole request
     seed: int = 0
     admission: AdmissionSettings = _DEFAULT_ADMISSION
+    correction: CorrectionSettings = _DEFAULT_CORRECTION
 
     @classmethod
     def from_config(cls, config: Any, profile: Profile | None = None) -> RouterSettings:
@@ -139,6 +141,7 @@ class RouterSettings:
             max_hold_s=config.max_hold_s,
             memory_fraction=config.memory_fraction,
             rebalance_interval_s=config.rebalance_interval_s,
+            **_admission_from_config(getattr(config, "admission", None)),
         )
 
     def policy_options(self, classifier: LengthClassifier) -> Mapping[str, Any]:
@@ -153,7 +156,29 @@ class RouterSettings:
             "colocate_roles": self.colocate_roles,
             "seed": self.seed,
             "classifier": classifier,
+            "batch_slo_headroom": self.admission.batch_headroom,
+            "min_retry_after_s": self.admission.min_retry_after_s,
         }
+
+
+def _admission_from_config(admission: Any) -> dict[str, Any]:
+    """``RouterConfig.admission`` (pydantic, bounded there) as the router's settings."""
+    if admission is None:
+        return {}
+    c = admission.correction
+    return {
+        "admission": AdmissionSettings(
+            enabled=admission.enabled,
+            batch_headroom=admission.batch_headroom,
+            min_retry_after_s=admission.min_retry_after_s,
+        ),
+        "correction": CorrectionSettings(
+            window=c.window,
+            min_samples=c.min_samples,
+            min_scale=c.min_scale,
+            max_scale=c.max_scale,
+        ),
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +232,7 @@ class Router:
         self._published_links: dict[str, TransferCoeffs] = {}  # what the view shows
         self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
-        self.corrector = OutcomeCorrector()
+        self.corrector = OutcomeCorrector(settings.correction)
         self.refusals = RefusalMeter(window_s=settings.rebalance_interval_s)
         self.admission = Admission(settings.admission, self.corrector)
 

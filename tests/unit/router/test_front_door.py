@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from router.admission import AdmissionSettings
+from router.correction import CorrectionSettings
 from router.front_door import Hold, Router, RouterSettings
 from router.types import SLO, LengthClass, Plan, Reject, RequestProfile, Role, RunningRequest
-from services.config import RouterConfig
+from services.config import ClusterConfig, RouterConfig
 from services.workers.messages import WorkerSnapshot
 from tests.unit.router.builders import PROFILE, SLO_DEFAULT
 
@@ -264,3 +268,45 @@ def test_a_released_reservation_brings_back_the_workers_peak_table_undrawn() -> 
     r.release("a")
     policy.refresh(r.view())
     assert policy._table.tables[1] is table
+
+
+def test_admission_keys_of_the_router_section_reach_the_router() -> None:
+    config = RouterConfig.model_validate(
+        {
+            "admission": {
+                "enabled": False,
+                "batch_headroom": 0.5,
+                "min_retry_after_s": 2.0,
+                "correction": {"window": 8, "min_samples": 2, "min_scale": 0.5, "max_scale": 3},
+            }
+        }
+    )
+    settings = RouterSettings.from_config(config, PROFILE)
+    assert settings.admission == AdmissionSettings(False, 0.5, 2.0)
+    assert settings.correction == CorrectionSettings(8, 2, 0.5, 3.0)
+    r = Router(settings)
+    assert r.corrector.settings is settings.correction
+    assert r.admission.settings is settings.admission
+    assert r.policy.batch_slo_headroom == 0.5  # type: ignore[attr-defined]
+    assert r.policy.min_retry_after_s == 2.0  # type: ignore[attr-defined]
+    default = RouterSettings.from_config(RouterConfig(), PROFILE)
+    assert (default.admission, default.correction) == (AdmissionSettings(), CorrectionSettings())
+
+
+@pytest.mark.parametrize(
+    ("admission", "message"),
+    [
+        ({"batch_headroom": 1.5}, "admission.batch_headroom"),
+        ({"batch_headroom": 0}, "admission.batch_headroom"),
+        ({"min_retry_after_s": 0}, "admission.min_retry_after_s"),
+        ({"correction": {"window": 1}}, "admission.correction.window"),
+        ({"correction": {"max_scale": 0.5}}, "admission.correction.max_scale"),
+        ({"correction": {"window": 4, "min_samples": 5}}, "must not exceed window"),
+        ({"headroom": 0.5}, "admission.headroom"),  # unknown key
+    ],
+)
+def test_admission_keys_out_of_bounds_are_refused_naming_them(
+    admission: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        ClusterConfig.model_validate({"router": {"admission": admission}})
