@@ -42,11 +42,12 @@ from typing import Any, Protocol
 
 from router.admission import Admission, AdmissionSettings
 from router.correction import CorrectionSettings, Outcome, OutcomeCorrector
-from router.cost_model import DEFAULT_PROFILE, Profile, TransferCoeffs, load_profile
+from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, TransferCoeffs, load_profile
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import LinkFit
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
+from router.prefill_load import PrefillLoad
 from router.refusals import RefusalMeter
 from router.types import (
     SLO,
@@ -234,6 +235,8 @@ class Router:
         self.mean_prompt_tokens = 0.0
         self.corrector = OutcomeCorrector(settings.correction)
         self.refusals = RefusalMeter(window_s=settings.rebalance_interval_s)
+        self.prefill_load = PrefillLoad(window_s=settings.rebalance_interval_s)
+        self._model = CostModel(settings.profile)  # what a placed plan loads its pool with
         self.admission = Admission(settings.admission, self.corrector)
 
     # -- telemetry ---------------------------------------------------------------------
@@ -341,6 +344,9 @@ class Router:
                 self.refusals.refused(now_s, refusal.reason)
                 return refusal
             self.refusals.placed(now_s)
+            if decision.decode_worker is not None:  # disaggregated: on the prefill pool
+                tokens = effective_prefill_tokens(profile)
+                self.prefill_load.placed(now_s, self._model.prefill_s(tokens))
         self.reserve(profile, decision)  # observed until ``release(id)``: a re-place is not new
         return decision
 
@@ -382,22 +388,27 @@ class Router:
         fit = self._links.get(worker_id)
         return fit.estimate if fit is not None else self.settings.profile.transfer
 
-    def pressure(self) -> RolePressure | None:
+    def pressure(self, now_s: float | None = None) -> RolePressure | None:
         """Each role's load for the ratio planner; None if the policy cannot tell."""
         if not callable(getattr(self.policy, "pressure", None)):
             return None
-        return self.role_pressure(self.view(), self.mean_prompt_tokens)
+        return self.role_pressure(self.view(), self.mean_prompt_tokens, now_s)
 
-    def role_pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
-        """The policy's pressure on ``view``, raised by what was refused for each role
-        lately (``router.refusals``): the overload admission keeps out of the queues."""
+    def role_pressure(
+        self, view: ClusterView, mean_prompt_tokens: float, now_s: float | None = None
+    ) -> RolePressure:
+        """The policy's pressure on ``view``, raised by the prefill pool's utilisation
+        (``router.prefill_load``) and by what was refused for each role lately
+        (``router.refusals``): the overload admission keeps out of the queues."""
         result: RolePressure = self.policy.pressure(view, mean_prompt_tokens)  # type: ignore[attr-defined]
+        num_prefill = len(view.by_role(Role.PREFILL))
+        result = self.prefill_load.raise_pressure(result, num_prefill, now_s)
         return self.refusals.raise_pressure(result)
 
     def plan_flip(self, now_s: float) -> RoleFlip | None:
         """The P/D ratio planner's decision for this interval (the simulator applies it;
         the gateway's ``Rebalancer`` makes the same one with ``choose_flip``)."""
-        pressure = self.pressure()
+        pressure = self.pressure(now_s)
         return (
             None if pressure is None else choose_flip(self.view(), pressure, self._planner, now_s)
         )

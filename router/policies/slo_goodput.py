@@ -267,9 +267,14 @@ class SloGoodput:
             ttft_pair += np.maximum(t.link_latency_s[p], t.link_latency_s)  # the slower end
             ok = decode_ok & decodable & (ttft_pair <= budget_s)
             # A decode worker's link first carries the KV already reserved there, and the
-            # second token waits for it: past one TPOT of queue, a less loaded link wins.
-            short_link = ok & (t.inbound_tokens * t.transfer_s_per_token <= tpot_limit_s)
-            ok = short_link if short_link.any() else ok
+            # second token waits for it: past one TPOT of queue, a less loaded link wins
+            # (with every link past it, the least loaded one).
+            link_s = t.inbound_tokens * t.transfer_s_per_token
+            short_link = ok & (link_s <= tpot_limit_s)
+            if short_link.any():
+                ok = short_link
+            elif ok.any():
+                ok = ok & (link_s <= link_s[ok].min())
             d = self._pick(ok, sure, t.fullness, held_q, r_q, limit)
             if d >= 0:
                 best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))
