@@ -42,12 +42,11 @@ from typing import Any, Protocol
 
 from router.admission import Admission, AdmissionSettings
 from router.correction import CorrectionSettings, Outcome, OutcomeCorrector
-from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, TransferCoeffs, load_profile
+from router.cost_model import DEFAULT_PROFILE, Profile, TransferCoeffs, load_profile
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import LinkFit
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
-from router.prefill_load import PrefillLoad
 from router.refusals import RefusalMeter
 from router.types import (
     SLO,
@@ -235,8 +234,6 @@ class Router:
         self.mean_prompt_tokens = 0.0
         self.corrector = OutcomeCorrector(settings.correction)
         self.refusals = RefusalMeter(window_s=settings.rebalance_interval_s)
-        self.prefill_load = PrefillLoad(window_s=settings.rebalance_interval_s)
-        self._model = CostModel(settings.profile)  # what a placed plan loads its pool with
         self.admission = Admission(settings.admission, self.corrector)
 
     # -- telemetry ---------------------------------------------------------------------
@@ -344,9 +341,6 @@ class Router:
                 self.refusals.refused(now_s, refusal.reason)
                 return refusal
             self.refusals.placed(now_s)
-            if decision.decode_worker is not None:  # disaggregated: on the prefill pool
-                tokens = effective_prefill_tokens(profile)
-                self.prefill_load.placed(now_s, self._model.prefill_s(tokens))
         self.reserve(profile, decision)  # observed until ``release(id)``: a re-place is not new
         return decision
 
@@ -397,13 +391,11 @@ class Router:
     def role_pressure(
         self, view: ClusterView, mean_prompt_tokens: float, now_s: float | None = None
     ) -> RolePressure:
-        """The policy's pressure on ``view``, raised by the prefill pool's utilisation
-        (``router.prefill_load``) and by what was refused for each role lately
-        (``router.refusals``): the overload admission keeps out of the queues."""
+        """The policy's pressure on ``view``, raised by what was refused for each role
+        lately (``router.refusals``, up to ``now_s``): the overload admission keeps out
+        of the queues."""
         result: RolePressure = self.policy.pressure(view, mean_prompt_tokens)  # type: ignore[attr-defined]
-        num_prefill = len(view.by_role(Role.PREFILL))
-        result = self.prefill_load.raise_pressure(result, num_prefill, now_s)
-        return self.refusals.raise_pressure(result)
+        return self.refusals.raise_pressure(result, now_s)
 
     def plan_flip(self, now_s: float) -> RoleFlip | None:
         """The P/D ratio planner's decision for this interval (the simulator applies it;
