@@ -70,6 +70,7 @@ BRACKET_OF_BOUND = (0.25, 1.5)  # bisection starts between these multiples of th
 BASELINES = ("round_robin", "least_loaded", "prefix_aware", "aggregated")
 SYSTEMS = ("baton", *BASELINES)
 TURNS = 4
+_SEGMENT_HASH_STRIDE = 1 << 48  # past any block id one segment's requests use
 
 
 def baton_router(profile: Profile, duration_s: float) -> RouterSettings:
@@ -152,8 +153,15 @@ def build_specs(
         )
         # Conversations start at rate/turns so that requests arrive at ``rate``.
         segment = build_requests(config, RateSpec(rate / workload.turns))
+        # Each segment numbers its prompts' blocks from 0: shifted apart, or a later
+        # segment's prompts would hit the prefix caches an earlier one left behind.
         specs += [
-            replace(s, request_id=f"s{k}-{s.request_id}", arrival_s=s.arrival_s + offset_s)
+            replace(
+                s,
+                request_id=f"s{k}-{s.request_id}",
+                arrival_s=s.arrival_s + offset_s,
+                hash_ids=tuple(h + k * _SEGMENT_HASH_STRIDE for h in s.hash_ids),
+            )
             for s in segment
         ]
         offset_s += seconds

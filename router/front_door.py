@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.admission import Admission, AdmissionSettings
-from router.correction import Outcome, OutcomeCorrector
+from router.correction import CorrectionSettings, Outcome, OutcomeCorrector
 from router.cost_model import DEFAULT_PROFILE, Profile, TransferCoeffs, load_profile
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import LinkFit
@@ -70,6 +70,7 @@ _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes pref
 _LINK_TOLERANCE = 0.05
 _DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
 _DEFAULT_ADMISSION = AdmissionSettings()
+_DEFAULT_CORRECTION = CorrectionSettings()
 
 
 class WorkerReport(Protocol):
@@ -124,6 +125,7 @@ class RouterSettings:
     colocate_roles: tuple[Role, ...] = (Role.MIXED, Role.DECODE)  # may run a whole request
     seed: int = 0
     admission: AdmissionSettings = _DEFAULT_ADMISSION
+    correction: CorrectionSettings = _DEFAULT_CORRECTION
 
     @classmethod
     def from_config(cls, config: Any, profile: Profile | None = None) -> RouterSettings:
@@ -139,6 +141,7 @@ class RouterSettings:
             max_hold_s=config.max_hold_s,
             memory_fraction=config.memory_fraction,
             rebalance_interval_s=config.rebalance_interval_s,
+            **_admission_from_config(getattr(config, "admission", None)),
         )
 
     def policy_options(self, classifier: LengthClassifier) -> Mapping[str, Any]:
@@ -153,7 +156,29 @@ class RouterSettings:
             "colocate_roles": self.colocate_roles,
             "seed": self.seed,
             "classifier": classifier,
+            "batch_slo_headroom": self.admission.batch_headroom,
+            "min_retry_after_s": self.admission.min_retry_after_s,
         }
+
+
+def _admission_from_config(admission: Any) -> dict[str, Any]:
+    """``RouterConfig.admission`` (pydantic, bounded there) as the router's settings."""
+    if admission is None:
+        return {}
+    c = admission.correction
+    return {
+        "admission": AdmissionSettings(
+            enabled=admission.enabled,
+            batch_headroom=admission.batch_headroom,
+            min_retry_after_s=admission.min_retry_after_s,
+        ),
+        "correction": CorrectionSettings(
+            window=c.window,
+            min_samples=c.min_samples,
+            min_scale=c.min_scale,
+            max_scale=c.max_scale,
+        ),
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +232,7 @@ class Router:
         self._published_links: dict[str, TransferCoeffs] = {}  # what the view shows
         self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
-        self.corrector = OutcomeCorrector()
+        self.corrector = OutcomeCorrector(settings.correction)
         self.refusals = RefusalMeter(window_s=settings.rebalance_interval_s)
         self.admission = Admission(settings.admission, self.corrector)
 
@@ -357,22 +382,25 @@ class Router:
         fit = self._links.get(worker_id)
         return fit.estimate if fit is not None else self.settings.profile.transfer
 
-    def pressure(self) -> RolePressure | None:
+    def pressure(self, now_s: float | None = None) -> RolePressure | None:
         """Each role's load for the ratio planner; None if the policy cannot tell."""
         if not callable(getattr(self.policy, "pressure", None)):
             return None
-        return self.role_pressure(self.view(), self.mean_prompt_tokens)
+        return self.role_pressure(self.view(), self.mean_prompt_tokens, now_s)
 
-    def role_pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
+    def role_pressure(
+        self, view: ClusterView, mean_prompt_tokens: float, now_s: float | None = None
+    ) -> RolePressure:
         """The policy's pressure on ``view``, raised by what was refused for each role
-        lately (``router.refusals``): the overload admission keeps out of the queues."""
+        lately (``router.refusals``, up to ``now_s``): the overload admission keeps out
+        of the queues."""
         result: RolePressure = self.policy.pressure(view, mean_prompt_tokens)  # type: ignore[attr-defined]
-        return self.refusals.raise_pressure(result)
+        return self.refusals.raise_pressure(result, now_s)
 
     def plan_flip(self, now_s: float) -> RoleFlip | None:
         """The P/D ratio planner's decision for this interval (the simulator applies it;
         the gateway's ``Rebalancer`` makes the same one with ``choose_flip``)."""
-        pressure = self.pressure()
+        pressure = self.pressure(now_s)
         return (
             None if pressure is None else choose_flip(self.view(), pressure, self._planner, now_s)
         )
@@ -451,6 +479,7 @@ class Router:
         num_free_blocks = s.num_free_blocks
         link = self._published_links.get(wid)
         reserved = self._by_worker.get(wid, ())
+        inbound_tokens = 0
         for rid in reserved:
             r = self._reservations[rid]
             if r.plan.prefill_worker == wid:
@@ -462,6 +491,8 @@ class Router:
             if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
                 num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
                 running.append(RunningRequest(r.held_tokens, 0, r.max_tokens))
+                if r.plan.prefill_worker != wid:  # its KV comes over this worker's link
+                    inbound_tokens += r.held_tokens
         return WorkerView(
             worker_id=wid,
             role=s.role,
@@ -481,6 +512,7 @@ class Router:
             prefill_budget_tokens=s.prefill_budget_tokens,
             link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s if link else 0.0,
             link_latency_s=link.latency_s if link else None,
+            inbound_tokens=inbound_tokens,
         )
 
 

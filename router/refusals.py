@@ -34,8 +34,12 @@ class RefusalMeter:
     def refused(self, now_s: float, reason: str) -> None:
         self._add(now_s, reason)
 
-    def shares(self) -> tuple[float, float]:
-        """(prefill, decode): the shares of the window's requests refused for each."""
+    def shares(self, now_s: float | None = None) -> tuple[float, float]:
+        """(prefill, decode): the shares of the window's requests refused for each
+        (``now_s``: the window ends then, else at the latest decision; with no traffic
+        the refusals age out as time passes, they are not held until the next one)."""
+        if now_s is not None:
+            self._now_s = max(self._now_s, now_s)
         self._trim()
         n = len(self._decisions)
         if not n:
@@ -44,8 +48,8 @@ class RefusalMeter:
         decode = sum(1 for _, r in self._decisions if any(k in r for k in _DECODE_REASONS))
         return prefill / n, decode / n
 
-    def raise_pressure(self, pressure: RolePressure) -> RolePressure:
-        prefill, decode = self.shares()
+    def raise_pressure(self, pressure: RolePressure, now_s: float | None = None) -> RolePressure:
+        prefill, decode = self.shares(now_s)
         if not (prefill or decode):
             return pressure
         p = pressure

@@ -96,6 +96,7 @@ class WorkerView:
     max_num_seqs: int = 256
     draining: bool = False
     prefill_budget_tokens: int = 0  # tokens one engine step prefills at most; 0: unknown
+    inbound_tokens: int = 0  # KV of requests placed to decode here, not yet running here
 
 
 @dataclass(frozen=True, slots=True)

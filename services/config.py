@@ -111,6 +111,34 @@ class SLOConfig(_Section):
     tpot_ms: float = Field(200.0, gt=0)
 
 
+class CorrectionConfig(_Section):
+    """How each worker's cost model is corrected from its requests' measured TTFT/TPOT."""
+
+    window: int = Field(32, ge=2, le=4096, description="latest (predicted, observed) pairs fitted")
+    min_samples: int = Field(4, ge=1, description="fewer pairs: predictions are used as they are")
+    min_scale: float = Field(0.25, gt=0, le=1, description="the fitted scale is clamped to this")
+    max_scale: float = Field(8.0, ge=1, le=1000, description="and to this")
+
+    @model_validator(mode="after")
+    def _fits_in_window(self) -> CorrectionConfig:
+        if self.min_samples > self.window:
+            raise ValueError(
+                f"min_samples ({self.min_samples}) must not exceed window ({self.window})"
+            )
+        return self
+
+
+class AdmissionConfig(_Section):
+    """Refusing at once (429 + Retry-After) what the corrected cost model says will miss."""
+
+    enabled: bool = Field(True, description="false: policies' plans are never judged")
+    batch_headroom: float = Field(
+        0.8, gt=0, le=1, description="batch requests must fit within this share of each target"
+    )
+    min_retry_after_s: float = Field(1.0, gt=0, le=3600, description="least Retry-After sent")
+    correction: CorrectionConfig = CorrectionConfig()
+
+
 class RouterConfig(_Section):
     policy: str = "slo_goodput"
     default_slo: SLOConfig = SLOConfig()
@@ -129,6 +157,7 @@ class RouterConfig(_Section):
     )
     memory_fraction: float = Field(0.95, gt=0, le=1)
     rebalance_interval_s: float = Field(10.0, gt=0)
+    admission: AdmissionConfig = AdmissionConfig()
 
 
 class ImagesConfig(_Section):

@@ -266,17 +266,30 @@ class SloGoodput:
             ttft_pair = ttft_local[p] + kv_bytes / np.minimum(t.bandwidth[p], t.bandwidth)
             ttft_pair += np.maximum(t.link_latency_s[p], t.link_latency_s)  # the slower end
             ok = decode_ok & decodable & (ttft_pair <= budget_s)
+            # A decode worker's link first carries the KV already reserved there, and the
+            # second token waits for it: past one TPOT of queue, a less loaded link wins
+            # (with every link past it, the least loaded one).
+            link_s = t.inbound_tokens * t.transfer_s_per_token
+            short_link = ok & (link_s <= tpot_limit_s)
+            if short_link.any():
+                ok = short_link
+            elif ok.any():
+                ok = ok & (link_s <= link_s[ok].min())
             d = self._pick(ok, sure, t.fullness, held_q, r_q, limit)
             if d >= 0:
                 best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))
 
         # Colocated: the same checks without a transfer, priced with the decodes it stalls.
         # Its chunks slow every running sequence's steps: those must stay within TPOT too.
+        # A chunk holds what is queued there and this prompt, never more than the budget
+        # (a full budget's chunk for a 3-token prompt refused 64 of them on an idle worker).
+        unused = t.chunk_tokens - np.minimum(t.chunk_tokens, t.queued_tokens + n)
+        chunked_step_s = t.chunked_step_s - t.chunk_s_per_token * unused
         ok = (
             coloc_ok
             & decodable
             & (ttft_local <= budget_s)
-            & (t.chunked_step_s <= tpot_limit_s)
+            & (chunked_step_s <= tpot_limit_s)
             & self._may_colocate(t, is_long)
         )
         if ok.any():

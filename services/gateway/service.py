@@ -149,7 +149,9 @@ class GatewayService:
         return Rebalancer(
             self.controller,
             router.view,
-            router.role_pressure,  # the policy's, raised by what admission refused
+            # The policy's, raised by what admission refused
+            # in the window up to now (the clock the executor places requests by).
+            lambda view, mean: router.role_pressure(view, mean, time.monotonic()),
             RatioPlanner(interval_s=router.settings.rebalance_interval_s),
             self.metrics,
             lambda: router.mean_prompt_tokens,

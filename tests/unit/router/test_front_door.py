@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from router.admission import AdmissionSettings
+from router.correction import CorrectionSettings
 from router.front_door import Hold, Router, RouterSettings
 from router.types import SLO, LengthClass, Plan, Reject, RequestProfile, Role, RunningRequest
-from services.config import RouterConfig
+from services.config import ClusterConfig, RouterConfig
 from services.workers.messages import WorkerSnapshot
 from tests.unit.router.builders import PROFILE, SLO_DEFAULT
 
@@ -155,6 +159,27 @@ def test_a_reserved_slot_is_not_given_twice() -> None:
     assert isinstance(third, Plan) and third.decode_worker == "d_tight"
 
 
+def test_a_decode_link_with_a_tpot_of_kv_queued_on_it_gives_way_to_a_free_one() -> None:
+    # PROFILE's link: 150 prompt tokens of KV take 15 ms, the TPOT target is 20 ms. The
+    # fuller decode worker is preferred until the KV reserved to land on it would hold a
+    # request's second token past one TPOT.
+    r = router()
+    r.mark_dead("d")
+    r.update(snapshot("d_full", Role.DECODE, running=_busy(3, 300)))
+    r.update(snapshot("d_free", Role.DECODE))
+
+    def decode_of(request_id: str) -> str | None:
+        plan = r.place(request(request_id, prompt=150), 0.0)
+        assert isinstance(plan, Plan)
+        return plan.decode_worker
+
+    assert [decode_of("a"), decode_of("b")] == ["d_full", "d_full"]  # 0, then 15 ms queued
+    assert decode_of("c") == "d_free"  # 30 ms queued on d_full's link
+    assert [w.inbound_tokens for w in r.view().workers[1:]] == [300, 150]
+    r.release("a", "d_full")  # landed and running there: off the link
+    assert decode_of("e") == "d_full"
+
+
 def test_a_colocated_reservation_lands_once_on_its_host() -> None:
     r = Router(
         RouterSettings(profile=PROFILE, default_slo=SLO_DEFAULT, colocate_roles=(Role.MIXED,))
@@ -243,3 +268,56 @@ def test_a_released_reservation_brings_back_the_workers_peak_table_undrawn() -> 
     r.release("a")
     policy.refresh(r.view())
     assert policy._table.tables[1] is table
+
+
+def test_admission_keys_of_the_router_section_reach_the_router() -> None:
+    config = RouterConfig.model_validate(
+        {
+            "admission": {
+                "enabled": False,
+                "batch_headroom": 0.5,
+                "min_retry_after_s": 2.0,
+                "correction": {"window": 8, "min_samples": 2, "min_scale": 0.5, "max_scale": 3},
+            }
+        }
+    )
+    settings = RouterSettings.from_config(config, PROFILE)
+    assert settings.admission == AdmissionSettings(False, 0.5, 2.0)
+    assert settings.correction == CorrectionSettings(8, 2, 0.5, 3.0)
+    r = Router(settings)
+    assert r.corrector.settings is settings.correction
+    assert r.admission.settings is settings.admission
+    assert r.policy.batch_slo_headroom == 0.5  # type: ignore[attr-defined]
+    assert r.policy.min_retry_after_s == 2.0  # type: ignore[attr-defined]
+    default = RouterSettings.from_config(RouterConfig(), PROFILE)
+    assert (default.admission, default.correction) == (AdmissionSettings(), CorrectionSettings())
+
+
+@pytest.mark.parametrize(
+    ("admission", "message"),
+    [
+        ({"batch_headroom": 1.5}, "admission.batch_headroom"),
+        ({"batch_headroom": 0}, "admission.batch_headroom"),
+        ({"min_retry_after_s": 0}, "admission.min_retry_after_s"),
+        ({"correction": {"window": 1}}, "admission.correction.window"),
+        ({"correction": {"max_scale": 0.5}}, "admission.correction.max_scale"),
+        ({"correction": {"window": 4, "min_samples": 5}}, "must not exceed window"),
+        ({"headroom": 0.5}, "admission.headroom"),  # unknown key
+    ],
+)
+def test_admission_keys_out_of_bounds_are_refused_naming_them(
+    admission: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        ClusterConfig.model_validate({"router": {"admission": admission}})
+
+
+def test_a_fan_out_of_short_prompts_fits_one_idle_colocated_worker() -> None:
+    # baton serve's defaults (the shipped profile, TTFT 2 s / TPOT 200 ms, slo_goodput with
+    # admission) and one colocated tiny worker, 4 prompts x n=16 of 3 tokens. The chunked
+    # step was priced with a full 2047-token chunk (0.227 s > 200 ms) and every sequence
+    # was refused; served, the 64 took TTFT <= 1.65 s and TPOT p50 58-145 ms (CPU).
+    r = Router(RouterSettings.from_config(RouterConfig()))
+    r.update(replace(snapshot("m", Role.MIXED), max_num_seqs=64, prefill_budget_tokens=2048))
+    plans = [r.place(request(f"s{i}", prompt=3), 0.0) for i in range(64)]
+    assert all(isinstance(p, Plan) and p.prefill_worker == "m" for p in plans)

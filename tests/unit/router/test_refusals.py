@@ -28,3 +28,10 @@ def test_decode_reasons_raise_decode_and_old_decisions_leave_the_window() -> Non
     assert meter.raise_pressure(QUIET).decode == pytest.approx(1.5)
     meter.placed(10.0)  # the refusal at 0 s is out of the window now
     assert meter.raise_pressure(QUIET) == QUIET
+
+
+def test_refusals_age_out_with_time_when_no_traffic_follows() -> None:
+    meter = RefusalMeter(window_s=5.0)
+    meter.refused(0.0, "predicted ttft miss")
+    assert meter.raise_pressure(QUIET, now_s=4.0).prefill == pytest.approx(2.0)
+    assert meter.raise_pressure(QUIET, now_s=6.0) == QUIET  # traffic stopped: nothing refused
