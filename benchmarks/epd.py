@@ -36,6 +36,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import resource  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -55,12 +56,24 @@ SLO = GoodputSLO(ttft_ms=1500, tpot_ms=100)
 ATTAINMENT = 0.9
 
 
-def layouts(gpus: int) -> dict[str, dict[str, int]]:
-    quarter = gpus // 4
-    return {
-        "epd": {"num_encode": quarter, "num_prefill": quarter, "num_decode": gpus - 2 * quarter},
-        "encode_colocated": {"num_prefill": gpus // 2, "num_decode": gpus - gpus // 2},
-    }
+DECODE_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2)  # of the GPUs, decoding
+ENCODE_SHARES = (1 / 4, 1 / 3, 1 / 2)  # E/P/D: of the GPUs that do not decode, encoding
+
+
+def layouts(gpus: int) -> dict[str, list[dict[str, int]]]:
+    """The small grid of role splits swept for each layout (each at least one GPU a role)."""
+    epd: list[dict[str, int]] = []
+    colocated: list[dict[str, int]] = []
+    for d_share in DECODE_SHARES:
+        decode = max(1, round(gpus * d_share))
+        rest = gpus - decode
+        colocated.append({"num_prefill": rest, "num_decode": decode})
+        for e_share in ENCODE_SHARES:
+            encode = max(1, round(rest * e_share))
+            split = {"num_encode": encode, "num_prefill": rest - encode, "num_decode": decode}
+            if split["num_prefill"] >= 1 and split not in epd:
+                epd.append(split)
+    return {"epd": epd, "encode_colocated": colocated}
 
 
 def workload(num_requests: int, seed: int, burstiness: float) -> WorkloadConfig:
@@ -76,33 +89,54 @@ def workload(num_requests: int, seed: int, burstiness: float) -> WorkloadConfig:
     )
 
 
-def run_layout(
-    layout: dict[str, int], rates: list[float], base: WorkloadConfig
-) -> list[dict[str, Any]]:
-    profile = load_profile(PROFILE)
-    rows = []
-    for rps in rates:
-        config = SimConfig(
-            workload=base,
-            rate=RateSpec(rps),
-            profile=profile,
-            policy="slo_goodput",
-            slo=SLO,
-            image_tokens_per_image=IMAGE_TOKENS,
-            rebalance=False,  # same layout throughout: the comparison is of layouts
-            **layout,
-        )
-        s = simulate(config).summary
-        rows.append(
-            {
-                "rate_rps": rps,
-                "p90_ttft_ms": s["p90_ttft_ms"],
-                "slo_attainment": s["slo_attainment"],
-                "request_goodput": s["request_goodput"],
-                "rejected": s["rejected"],
-            }
-        )
-    return rows
+def run_rate(layout: dict[str, int], rps: float, base: WorkloadConfig) -> dict[str, Any]:
+    config = SimConfig(
+        workload=base,
+        rate=RateSpec(rps),
+        profile=load_profile(PROFILE),
+        policy="slo_goodput",
+        slo=SLO,
+        image_tokens_per_image=IMAGE_TOKENS,
+        rebalance=False,  # same layout throughout: the comparison is of layouts
+        num_encode=layout.get("num_encode", 0),
+        num_prefill=layout["num_prefill"],
+        num_decode=layout["num_decode"],
+    )
+    s = simulate(config).summary
+    return {
+        "rate_rps": rps,
+        "p90_ttft_ms": s["p90_ttft_ms"],
+        "slo_attainment": s["slo_attainment"],
+        "request_goodput": s["request_goodput"],
+        "rejected": s["rejected"],
+    }
+
+
+def search_layout(
+    layout: dict[str, int], gpus: int, base: WorkloadConfig, ladder: float, bisections: int
+) -> dict[str, Any]:
+    """Goodput at 90% attainment of one role split: rates from 0.5/GPU up by ``ladder``
+    until attainment drops under 90%, then ``bisections`` halvings (in log rate) of the
+    last gap. Every split gets the same search."""
+    rows: list[dict[str, Any]] = []
+    low, high = None, None
+    rps = 0.5 * gpus
+    while rps <= 8.0 * gpus:
+        row = run_rate(layout, round(rps, 3), base)
+        rows.append(row)
+        if row["slo_attainment"] < ATTAINMENT:
+            high = rps
+            break
+        low = rps
+        rps *= ladder
+    if low is not None and high is not None:
+        for _ in range(bisections):
+            mid = (low * high) ** 0.5
+            row = run_rate(layout, round(mid, 3), base)
+            rows.append(row)
+            low, high = (mid, high) if row["slo_attainment"] >= ATTAINMENT else (low, mid)
+    rows.sort(key=lambda r: r["rate_rps"])
+    return {"layout": layout, "sweep": rows, "at_90": goodput_at_attainment(rows)}
 
 
 def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -111,6 +145,45 @@ def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {"rate_rps": None, "request_goodput": 0.0, "p90_ttft_ms": None}
     best = max(good, key=lambda r: r["rate_rps"])
     return {k: best[k] for k in ("rate_rps", "request_goodput", "p90_ttft_ms")}
+
+
+def _search(job: tuple[str, dict[str, int], int, WorkloadConfig, float, int]) -> Any:
+    name, layout, gpus, base, ladder, bisections = job
+    return name, search_layout(layout, gpus, base, ladder, bisections)
+
+
+def simulated(args: argparse.Namespace) -> dict[str, Any]:
+    from concurrent.futures import ProcessPoolExecutor
+
+    out: dict[str, Any] = {
+        "profile": PROFILE,
+        "slo_ms": SLO.as_dict(),
+        "attainment": ATTAINMENT,
+        "image_tokens_per_image": IMAGE_TOKENS,
+        "search": {"ladder": args.ladder, "bisections": args.bisections},
+        "results": {},
+    }
+    for gpus in args.gpus:
+        base = workload(args.num_requests, args.seed, args.burstiness)
+        jobs = [
+            (name, layout, gpus, base, args.ladder, args.bisections)
+            for name, grid in layouts(gpus).items()
+            for layout in grid
+        ]
+        with ProcessPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(_search, jobs))
+        entry: dict[str, Any] = {}
+        for name in ("epd", "encode_colocated"):
+            splits = [r for n, r in done if n == name]
+            best = max(splits, key=lambda r: r["at_90"]["request_goodput"])
+            entry[name] = {"best": best, "splits": splits}
+        epd, coloc = (entry[n]["best"]["at_90"] for n in ("epd", "encode_colocated"))
+        entry["best_layouts"] = {n: entry[n]["best"]["layout"] for n in ("epd", "encode_colocated")}
+        entry["goodput_ratio_epd_over_colocated"] = (
+            epd["request_goodput"] / coloc["request_goodput"] if coloc["request_goodput"] else None
+        )
+        out["results"][str(gpus)] = entry
+    return out
 
 
 LIVE_SLO = GoodputSLO(ttft_ms=2000, tpot_ms=200)
@@ -206,7 +279,9 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--burstiness", type=float, default=0.25)
-    parser.add_argument("--rates-per-gpu", type=float, nargs="+", default=None)
+    parser.add_argument("--ladder", type=float, default=1.5, help="rate step of the search")
+    parser.add_argument("--bisections", type=int, default=3, help="halvings after the ladder")
+    parser.add_argument("--jobs", type=int, default=2, help="simulations at once (processes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--live", action="store_true", help="the tiny cluster, not the sim")
     parser.add_argument("--rate", type=float, default=4.0, help="--live: requests per second")
@@ -217,32 +292,13 @@ def main() -> None:
         result["client_cpu_s"] = time.process_time() - started_cpu
         print(json.dumps(result, indent=2))
         return
-    per_gpu = args.rates_per_gpu or [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5]
-    started_cpu = time.process_time()
-    out: dict[str, Any] = {
-        "profile": PROFILE,
-        "slo_ms": SLO.as_dict(),
-        "attainment": ATTAINMENT,
-        "image_tokens_per_image": IMAGE_TOKENS,
-        "results": {},
-    }
-    for gpus in args.gpus:
-        base = workload(args.num_requests, args.seed, args.burstiness)
-        rates = [round(r * gpus, 3) for r in per_gpu]
-        entry: dict[str, Any] = {}
-        for name, layout in layouts(gpus).items():
-            rows = run_layout(layout, rates, replace(base))
-            entry[name] = {
-                "layout": layout,
-                "sweep": rows,
-                "at_90": goodput_at_attainment(rows),
-            }
-        epd, coloc = entry["epd"]["at_90"], entry["encode_colocated"]["at_90"]
-        entry["goodput_ratio_epd_over_colocated"] = (
-            epd["request_goodput"] / coloc["request_goodput"] if coloc["request_goodput"] else None
-        )
-        out["results"][str(gpus)] = entry
-    out["sim_cpu_s"] = time.process_time() - started_cpu
+    started = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = simulated(args)
+    ended = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out["sim_cpu_s"] = sum(
+        e.ru_utime + e.ru_stime - (s.ru_utime + s.ru_stime)
+        for s, e in zip(started, ended, strict=True)
+    )
     print(json.dumps(out, indent=2))
 
 
