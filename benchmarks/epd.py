@@ -3,25 +3,35 @@
 Bursts of multi-image requests (``--burstiness`` < 1: gamma arrivals) mixed with text
 chat, on the same number of simulated GPUs two ways:
 
-* ``epd``: a quarter of the GPUs encode, a quarter prefill, half decode;
-* ``encode_colocated``: half prefill (each encoding its own requests' images), half decode.
+* ``epd``: some GPUs encode, some prefill, the rest decode;
+* ``encode_colocated``: some prefill (each encoding its own requests' images), the rest
+  decode.
 
-Both run the real router (``slo_goodput``) and the shipped profile
-``loadgen/profiles/internvl2-26b-h100.json`` (InternViT-6B encoder + InternLM2-20B;
-published sizes, roofline-estimated, sources in the file). For each layout and cluster
-size it sweeps the request rate and reports the p90 TTFT at every rate and the goodput
-at 90% attainment: the highest swept rate whose SLO attainment is at least 90%, with
-the goodput measured there. One JSON object on stdout; ratios are within this run.
+Fair to both: each layout is run at a small grid of role splits (decode ⅛, ¼, ⅜, ½ of
+the GPUs; E/P/D: ¼, ⅓ or ½ of the rest encoding), each split gets the same goodput
+search, and the best split of each layout is compared, in the same run. Both run the
+real router (``slo_goodput``, which may split one request's images over several
+encode workers) and the shipped profile ``loadgen/profiles/internvl2-26b-h100.json``
+(InternViT-6B encoder + InternLM2-20B; published sizes, roofline-estimated, sources
+in the file; decode workers, which never encode, hold KV where the vision weights
+would be). The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up
+by ``--ladder`` until attainment drops under 90%, then ``--bisections`` halvings of
+the last gap; the goodput measured at the highest rate that kept 90%. One JSON object
+on stdout (every split's sweep, the best of each layout, their ratio); CPU seconds of
+the simulations (``getrusage``, this process and its workers) at the end.
 
     python benchmarks/epd.py                       # 16 and 64 GPUs
     python benchmarks/epd.py --gpus 16 --num-requests 1500
-    python benchmarks/epd.py --live                # the tiny cluster instead
+    python benchmarks/epd.py --live --rate 2 4 6 8 # the tiny cluster instead
 
 ``--live``: ``baton serve`` with ``tiny-vl`` on CPU, 1 encode + 1 prefill + 1 decode
-worker against 2 prefill + 1 decode (the prefill workers encode), each loaded in turn
-with the same seeded open-loop trace (bursty arrivals, half the requests with 2-8
-images of 336 px, half text chat): p90 TTFT of all requests and of the text-only ones,
-and goodput at the SLO. On a shared CPU box the encoder is tiny and timings are noisy.
+worker against 2 prefill + 1 decode (the prefill workers encode), each served once and
+loaded at each ``--rate`` in turn with seeded open-loop traces (bursty arrivals, half
+the requests with 2-8 images of 336 px, half text chat; a new seed per rate, the same
+traces for both): p90 TTFT of all requests and of the text-only ones, goodput and
+attainment at each rate, the goodput at 90% attainment over the sweep, and the 1-minute
+load average around each rate (the box is shared). On a shared CPU box the encoder is
+tiny and timings are noisy.
 """
 
 from __future__ import annotations
@@ -233,44 +243,57 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.
 
 
 def live(args: argparse.Namespace) -> dict[str, Any]:
+    """Each layout served once and loaded at each rate in turn (ascending), the same
+    trace shape at every rate but a new seed per rate (a repeated trace would hit the
+    encoder-output and prefix caches); both layouts get the same traces."""
     from loadgen.client import BenchConfig, run_bench
     from loadgen.metrics import compute_summary
+    from loadgen.scenario import build_requests
 
-    base = replace(
-        workload(args.num_requests, args.seed, args.burstiness),
-        input_len="uniform:16-64",
-        output_len="uniform:8-24",
-        image_size="336",
-    )
-    out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rate": args.rate}
+    rates = sorted(args.rate)
+    traces = [
+        replace(
+            workload(args.num_requests, args.seed + i, args.burstiness),
+            input_len="uniform:16-64",
+            output_len="uniform:8-24",
+            image_size="336",
+        )
+        for i in range(len(rates))
+    ]
+    out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in LIVE_LAYOUTS.items():
             port = _free_port()
             proc = _serve(layout, port, Path(tmp))
+            rows = []
             try:
                 url = f"http://127.0.0.1:{port}"
                 _wait_ready(url, proc)
-                config = BenchConfig(url, base, RateSpec(args.rate), endpoint="chat", slo=LIVE_SLO)
-                result = run_bench(config)
+                for rps, base in zip(rates, traces, strict=True):
+                    load_before = os.getloadavg()[0]
+                    config = BenchConfig(url, base, RateSpec(rps), endpoint="chat", slo=LIVE_SLO)
+                    result = run_bench(config)
+                    images = {
+                        s.request_id for s in build_requests(base, RateSpec(rps)) if s.image_sides
+                    }
+                    text = [r for r in result.records if r.request_id not in images]
+                    text_summary = compute_summary(text, 1.0, LIVE_SLO)
+                    s = result.summary
+                    rows.append(
+                        {
+                            "rate_rps": rps,
+                            "p90_ttft_ms": s["p90_ttft_ms"],
+                            "text_p90_ttft_ms": text_summary["p90_ttft_ms"],
+                            "request_goodput": s["request_goodput"],
+                            "slo_attainment": s["slo_attainment"],
+                            "failed": sum(not r.success for r in result.records),
+                            "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                        }
+                    )
             finally:
                 proc.terminate()
                 proc.wait(60)
-            from loadgen.scenario import build_requests
-
-            images = {
-                s.request_id for s in build_requests(base, RateSpec(args.rate)) if s.image_sides
-            }
-            text = [r for r in result.records if r.request_id not in images]
-            text_summary = compute_summary(text, 1.0, LIVE_SLO)
-            s = result.summary
-            out[name] = {
-                "layout": layout,
-                "p90_ttft_ms": s["p90_ttft_ms"],
-                "text_p90_ttft_ms": text_summary["p90_ttft_ms"],
-                "request_goodput": s["request_goodput"],
-                "slo_attainment": s["slo_attainment"],
-                "failed": sum(not r.success for r in result.records),
-            }
+            out[name] = {"layout": layout, "sweep": rows, "at_90": goodput_at_attainment(rows)}
     return out
 
 
@@ -284,7 +307,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (processes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--live", action="store_true", help="the tiny cluster, not the sim")
-    parser.add_argument("--rate", type=float, default=4.0, help="--live: requests per second")
+    parser.add_argument(
+        "--rate", type=float, nargs="+", default=[4.0], help="--live: requests per second (a sweep)"
+    )
     args = parser.parse_args()
     if args.live:
         started_cpu = time.process_time()

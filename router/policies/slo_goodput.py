@@ -27,7 +27,7 @@ For a request of effective prefill length ``n`` (per worker: its own prefix hit)
    once and the encode is ready when the last part lands,
    ``ready_k = max_j (queue_j·b + encode(m_j) + latency_j)`` for part ``j`` of
    ``m_j`` image tokens; ``k`` (1 up to the image count) is the one with the least
-   ``ready_k`` (each part pays ``a`` again, so splitting stops paying off), and
+   ``ready_k`` (a tie keeps fewer parts: a part on a queued encoder lands later), and
    ``remote = max(0, ready_k − wait_P)``. Remote wins
    for ``P`` when ``remote ≤ 2·own``: an encode on ``P`` also delays every request
    queued behind it there by ``own`` (the stall), which a remote encode does not.
