@@ -16,7 +16,10 @@ encode workers) and the shipped profile ``loadgen/profiles/internvl2-26b-h100.js
 in the file; decode workers, which never encode, hold KV where the vision weights
 would be). The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up
 by ``--ladder`` until attainment drops under 90%, then ``--bisections`` halvings of
-the last gap; the goodput measured at the highest rate that kept 90%. One JSON object
+the last gap; the goodput measured at the highest rate that kept 90%. The router's
+long/short prefill split is ``--length-split`` (``spatial`` as served: a quarter of the
+prefill workers take the long prompts, here the image requests; ``temporal``: every
+prefill worker takes both, short ones first), the same for both layouts. One JSON object
 on stdout (every split's sweep, the best of each layout, their ratio); CPU seconds of
 the simulations (``getrusage``, this process and its workers) at the end.
 
@@ -59,6 +62,7 @@ from loadgen.metrics import GoodputSLO  # noqa: E402
 from loadgen.scenario import WorkloadConfig  # noqa: E402
 from loadgen.sim.profile import load_profile  # noqa: E402
 from loadgen.sim.run import SimConfig, simulate  # noqa: E402
+from router.front_door import RouterSettings  # noqa: E402
 
 PROFILE = "internvl2-26b-h100"
 IMAGE_TOKENS = 256  # InternVL2: one 448x448 tile -> 256 image tokens
@@ -99,11 +103,15 @@ def workload(num_requests: int, seed: int, burstiness: float) -> WorkloadConfig:
     )
 
 
-def run_rate(layout: dict[str, int], rps: float, base: WorkloadConfig) -> dict[str, Any]:
+def run_rate(
+    layout: dict[str, int], rps: float, base: WorkloadConfig, length_split: str
+) -> dict[str, Any]:
+    profile = load_profile(PROFILE)
     config = SimConfig(
         workload=base,
         rate=RateSpec(rps),
-        profile=load_profile(PROFILE),
+        profile=profile,
+        router=RouterSettings(profile=profile, length_split=length_split),
         policy="slo_goodput",
         slo=SLO,
         image_tokens_per_image=IMAGE_TOKENS,
@@ -123,7 +131,12 @@ def run_rate(layout: dict[str, int], rps: float, base: WorkloadConfig) -> dict[s
 
 
 def search_layout(
-    layout: dict[str, int], gpus: int, base: WorkloadConfig, ladder: float, bisections: int
+    layout: dict[str, int],
+    gpus: int,
+    base: WorkloadConfig,
+    ladder: float,
+    bisections: int,
+    length_split: str,
 ) -> dict[str, Any]:
     """Goodput at 90% attainment of one role split: rates from 0.5/GPU up by ``ladder``
     until attainment drops under 90%, then ``bisections`` halvings (in log rate) of the
@@ -132,7 +145,7 @@ def search_layout(
     low, high = None, None
     rps = 0.5 * gpus
     while rps <= 8.0 * gpus:
-        row = run_rate(layout, round(rps, 3), base)
+        row = run_rate(layout, round(rps, 3), base, length_split)
         rows.append(row)
         if row["slo_attainment"] < ATTAINMENT:
             high = rps
@@ -142,7 +155,7 @@ def search_layout(
     if low is not None and high is not None:
         for _ in range(bisections):
             mid = (low * high) ** 0.5
-            row = run_rate(layout, round(mid, 3), base)
+            row = run_rate(layout, round(mid, 3), base, length_split)
             rows.append(row)
             low, high = (mid, high) if row["slo_attainment"] >= ATTAINMENT else (low, mid)
     rows.sort(key=lambda r: r["rate_rps"])
@@ -157,9 +170,9 @@ def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: best[k] for k in ("rate_rps", "request_goodput", "p90_ttft_ms")}
 
 
-def _search(job: tuple[str, dict[str, int], int, WorkloadConfig, float, int]) -> Any:
-    name, layout, gpus, base, ladder, bisections = job
-    return name, search_layout(layout, gpus, base, ladder, bisections)
+def _search(job: tuple[str, dict[str, int], int, WorkloadConfig, float, int, str]) -> Any:
+    name, layout, gpus, base, ladder, bisections, length_split = job
+    return name, search_layout(layout, gpus, base, ladder, bisections, length_split)
 
 
 def simulated(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,12 +184,13 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
         "attainment": ATTAINMENT,
         "image_tokens_per_image": IMAGE_TOKENS,
         "search": {"ladder": args.ladder, "bisections": args.bisections},
+        "length_split": args.length_split,
         "results": {},
     }
     for gpus in args.gpus:
         base = workload(args.num_requests, args.seed, args.burstiness)
         jobs = [
-            (name, layout, gpus, base, args.ladder, args.bisections)
+            (name, layout, gpus, base, args.ladder, args.bisections, args.length_split)
             for name, grid in layouts(gpus).items()
             for layout in grid
         ]
@@ -306,6 +320,13 @@ def main() -> None:
     parser.add_argument("--bisections", type=int, default=3, help="halvings after the ladder")
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (processes)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--length-split",
+        choices=["spatial", "temporal"],
+        default="spatial",
+        help="the router's long/short prefill split, the same for both layouts "
+        "(spatial, as served: a quarter of the prefill workers take long prompts)",
+    )
     parser.add_argument("--live", action="store_true", help="the tiny cluster, not the sim")
     parser.add_argument(
         "--rate", type=float, nargs="+", default=[4.0], help="--live: requests per second (a sweep)"
