@@ -4,7 +4,7 @@ tiny-vl, 32 greedy tokens each, colocated (in-process: the worker encodes its ow
 images) and E/P/D with 1 encode + 1 prefill + 1 decode worker over ``nixl`` and over
 ``torch``: the encode worker encodes the images and holds their embeddings, the
 prefill worker pulls them (region ``mm``), the decode worker pulls the prompt's KV;
-and with 2 encode workers (in-process, ``local``), each request's images split over both.
+and with 2 encode workers (``nixl``), each request's images split over both.
 The oracle is ``transformers``' LlavaForConditionalGeneration holding the same weights.
 (Prefill workers that encode their own images in P/D: tests/unit/workers and the
 engine tests.)
@@ -71,11 +71,10 @@ def torch_epd(ray_cluster: str) -> Iterator[ServedGateway]:
 
 
 @pytest.fixture  # one cluster at a time: the CI box has two cores
-def split_epd() -> Iterator[ServedGateway]:
-    """Two encode workers, in-process (``local`` backend; lean): round_robin spreads
-    each request's images over both."""
-    config = _config(**{"kvtransfer.backend": "local", "workers.encode": 2})
-    with ServedGateway(real_service(config, ray=False)) as s:
+def split_epd(ray_cluster: str) -> Iterator[ServedGateway]:
+    """Two encode workers: round_robin spreads each request's images over both."""
+    config = _config(**{"kvtransfer.backend": "nixl", "workers.encode": 2})
+    with ServedGateway(real_service(config, ray=True)) as s:
         yield s
 
 
