@@ -3,25 +3,38 @@
 Bursts of multi-image requests (``--burstiness`` < 1: gamma arrivals) mixed with text
 chat, on the same number of simulated GPUs two ways:
 
-* ``epd``: a quarter of the GPUs encode, a quarter prefill, half decode;
-* ``encode_colocated``: half prefill (each encoding its own requests' images), half decode.
+* ``epd``: some GPUs encode, some prefill, the rest decode;
+* ``encode_colocated``: some prefill (each encoding its own requests' images), the rest
+  decode.
 
-Both run the real router (``slo_goodput``) and the shipped profile
-``loadgen/profiles/internvl2-26b-h100.json`` (InternViT-6B encoder + InternLM2-20B;
-published sizes, roofline-estimated, sources in the file). For each layout and cluster
-size it sweeps the request rate and reports the p90 TTFT at every rate and the goodput
-at 90% attainment: the highest swept rate whose SLO attainment is at least 90%, with
-the goodput measured there. One JSON object on stdout; ratios are within this run.
+Fair to both: each layout is run at a small grid of role splits (decode ⅛, ¼, ⅜, ½ of
+the GPUs; E/P/D: ¼, ⅓ or ½ of the rest encoding), each split gets the same goodput
+search, and the best split of each layout is compared, in the same run. Both run the
+real router (``slo_goodput``, which may split one request's images over several
+encode workers) and the shipped profile ``loadgen/profiles/internvl2-26b-h100.json``
+(InternViT-6B encoder + InternLM2-20B; published sizes, roofline-estimated, sources
+in the file; decode workers, which never encode, hold KV where the vision weights
+would be). The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up
+by ``--ladder`` until attainment drops under 90%, then ``--bisections`` halvings of
+the last gap; the goodput measured at the highest rate that kept 90%. The router's
+long/short prefill split is ``--length-split`` (``spatial`` as served: a quarter of the
+prefill workers take the long prompts, here the image requests; ``temporal``: every
+prefill worker takes both, short ones first), the same for both layouts. One JSON object
+on stdout (every split's sweep, the best of each layout, their ratio); CPU seconds of
+the simulations (``getrusage``, this process and its workers) at the end.
 
     python benchmarks/epd.py                       # 16 and 64 GPUs
     python benchmarks/epd.py --gpus 16 --num-requests 1500
-    python benchmarks/epd.py --live                # the tiny cluster instead
+    python benchmarks/epd.py --live --rate 2 4 6 8 # the tiny cluster instead
 
 ``--live``: ``baton serve`` with ``tiny-vl`` on CPU, 1 encode + 1 prefill + 1 decode
-worker against 2 prefill + 1 decode (the prefill workers encode), each loaded in turn
-with the same seeded open-loop trace (bursty arrivals, half the requests with 2-8
-images of 336 px, half text chat): p90 TTFT of all requests and of the text-only ones,
-and goodput at the SLO. On a shared CPU box the encoder is tiny and timings are noisy.
+worker against 2 prefill + 1 decode (the prefill workers encode), each served once and
+loaded at each ``--rate`` in turn with seeded open-loop traces (bursty arrivals, half
+the requests with 2-8 images of 336 px, half text chat; a new seed per rate, the same
+traces for both): p90 TTFT of all requests and of the text-only ones, goodput and
+attainment at each rate, the goodput at 90% attainment over the sweep, and the 1-minute
+load average around each rate (the box is shared). On a shared CPU box the encoder is
+tiny and timings are noisy.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import resource  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -48,19 +62,34 @@ from loadgen.metrics import GoodputSLO  # noqa: E402
 from loadgen.scenario import WorkloadConfig  # noqa: E402
 from loadgen.sim.profile import load_profile  # noqa: E402
 from loadgen.sim.run import SimConfig, simulate  # noqa: E402
+from router.front_door import RouterSettings  # noqa: E402
 
 PROFILE = "internvl2-26b-h100"
 IMAGE_TOKENS = 256  # InternVL2: one 448x448 tile -> 256 image tokens
 SLO = GoodputSLO(ttft_ms=1500, tpot_ms=100)
 ATTAINMENT = 0.9
+MAX_RATE_PER_GPU = 8.0  # the search's top rate
 
 
-def layouts(gpus: int) -> dict[str, dict[str, int]]:
-    quarter = gpus // 4
-    return {
-        "epd": {"num_encode": quarter, "num_prefill": quarter, "num_decode": gpus - 2 * quarter},
-        "encode_colocated": {"num_prefill": gpus // 2, "num_decode": gpus - gpus // 2},
-    }
+DECODE_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2)  # of the GPUs, decoding
+ENCODE_SHARES = (1 / 4, 1 / 3, 1 / 2)  # E/P/D: of the GPUs that do not decode, encoding
+
+
+def layouts(gpus: int) -> dict[str, list[dict[str, int]]]:
+    """The small grid of role splits swept for each layout (each at least one GPU a role)."""
+    epd: list[dict[str, int]] = []
+    colocated: list[dict[str, int]] = []
+    for d_share in DECODE_SHARES:
+        decode = max(1, round(gpus * d_share))
+        rest = gpus - decode
+        if {"num_prefill": rest, "num_decode": decode} not in colocated:
+            colocated.append({"num_prefill": rest, "num_decode": decode})
+        for e_share in ENCODE_SHARES:
+            encode = max(1, round(rest * e_share))
+            split = {"num_encode": encode, "num_prefill": rest - encode, "num_decode": decode}
+            if split["num_prefill"] >= 1 and split not in epd:
+                epd.append(split)
+    return {"epd": epd, "encode_colocated": colocated}
 
 
 def workload(num_requests: int, seed: int, burstiness: float) -> WorkloadConfig:
@@ -76,33 +105,67 @@ def workload(num_requests: int, seed: int, burstiness: float) -> WorkloadConfig:
     )
 
 
-def run_layout(
-    layout: dict[str, int], rates: list[float], base: WorkloadConfig
-) -> list[dict[str, Any]]:
+def run_rate(
+    layout: dict[str, int], rps: float, base: WorkloadConfig, length_split: str
+) -> dict[str, Any]:
     profile = load_profile(PROFILE)
-    rows = []
-    for rps in rates:
-        config = SimConfig(
-            workload=base,
-            rate=RateSpec(rps),
-            profile=profile,
-            policy="slo_goodput",
-            slo=SLO,
-            image_tokens_per_image=IMAGE_TOKENS,
-            rebalance=False,  # same layout throughout: the comparison is of layouts
-            **layout,
-        )
-        s = simulate(config).summary
-        rows.append(
-            {
-                "rate_rps": rps,
-                "p90_ttft_ms": s["p90_ttft_ms"],
-                "slo_attainment": s["slo_attainment"],
-                "request_goodput": s["request_goodput"],
-                "rejected": s["rejected"],
-            }
-        )
-    return rows
+    config = SimConfig(
+        workload=base,
+        rate=RateSpec(rps),
+        profile=profile,
+        router=RouterSettings(profile=profile, length_split=length_split),
+        policy="slo_goodput",
+        slo=SLO,
+        image_tokens_per_image=IMAGE_TOKENS,
+        rebalance=False,  # same layout throughout: the comparison is of layouts
+        num_encode=layout.get("num_encode", 0),
+        num_prefill=layout["num_prefill"],
+        num_decode=layout["num_decode"],
+    )
+    s = simulate(config).summary
+    return {
+        "rate_rps": rps,
+        "p90_ttft_ms": s["p90_ttft_ms"],
+        "slo_attainment": s["slo_attainment"],
+        "request_goodput": s["request_goodput"],
+        "rejected": s["rejected"],
+    }
+
+
+def search_layout(
+    layout: dict[str, int],
+    gpus: int,
+    base: WorkloadConfig,
+    ladder: float,
+    bisections: int,
+    length_split: str,
+) -> dict[str, Any]:
+    """Goodput at 90% attainment of one role split: rates from 0.5/GPU up by ``ladder``
+    until attainment drops under 90%, then ``bisections`` halvings (in log rate) of the
+    last gap. Every split gets the same search."""
+    rows: list[dict[str, Any]] = []
+    low, high = None, None
+    rps, cap = 0.5 * gpus, MAX_RATE_PER_GPU * gpus
+    while True:
+        row = run_rate(layout, round(rps, 3), base, length_split)
+        rows.append(row)
+        if row["slo_attainment"] < ATTAINMENT:
+            high = rps
+            break
+        low = rps
+        if rps >= cap:  # still at 90% at the cap: "at_90" is a lower bound ("capped")
+            break
+        rps = min(rps * ladder, cap)
+    if low is not None and high is not None:
+        for _ in range(bisections):
+            mid = (low * high) ** 0.5
+            row = run_rate(layout, round(mid, 3), base, length_split)
+            rows.append(row)
+            low, high = (mid, high) if row["slo_attainment"] >= ATTAINMENT else (low, mid)
+    rows.sort(key=lambda r: r["rate_rps"])
+    at_90 = goodput_at_attainment(rows)
+    at_90["capped"] = high is None  # never dropped under 90%: the search's top rate held
+    return {"layout": layout, "sweep": rows, "at_90": at_90}
 
 
 def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -111,6 +174,46 @@ def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {"rate_rps": None, "request_goodput": 0.0, "p90_ttft_ms": None}
     best = max(good, key=lambda r: r["rate_rps"])
     return {k: best[k] for k in ("rate_rps", "request_goodput", "p90_ttft_ms")}
+
+
+def _search(job: tuple[str, dict[str, int], int, WorkloadConfig, float, int, str]) -> Any:
+    name, layout, gpus, base, ladder, bisections, length_split = job
+    return name, search_layout(layout, gpus, base, ladder, bisections, length_split)
+
+
+def simulated(args: argparse.Namespace) -> dict[str, Any]:
+    from concurrent.futures import ProcessPoolExecutor
+
+    out: dict[str, Any] = {
+        "profile": PROFILE,
+        "slo_ms": SLO.as_dict(),
+        "attainment": ATTAINMENT,
+        "image_tokens_per_image": IMAGE_TOKENS,
+        "search": {"ladder": args.ladder, "bisections": args.bisections},
+        "length_split": args.length_split,
+        "results": {},
+    }
+    for gpus in args.gpus:
+        base = workload(args.num_requests, args.seed, args.burstiness)
+        jobs = [
+            (name, layout, gpus, base, args.ladder, args.bisections, args.length_split)
+            for name, grid in layouts(gpus).items()
+            for layout in grid
+        ]
+        with ProcessPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(_search, jobs))
+        entry: dict[str, Any] = {}
+        for name in ("epd", "encode_colocated"):
+            splits = [r for n, r in done if n == name]
+            best = max(splits, key=lambda r: r["at_90"]["request_goodput"])
+            entry[name] = {"best": best, "splits": splits}
+        epd, coloc = (entry[n]["best"]["at_90"] for n in ("epd", "encode_colocated"))
+        entry["best_layouts"] = {n: entry[n]["best"]["layout"] for n in ("epd", "encode_colocated")}
+        entry["goodput_ratio_epd_over_colocated"] = (
+            epd["request_goodput"] / coloc["request_goodput"] if coloc["request_goodput"] else None
+        )
+        out["results"][str(gpus)] = entry
+    return out
 
 
 LIVE_SLO = GoodputSLO(ttft_ms=2000, tpot_ms=200)
@@ -160,44 +263,57 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.
 
 
 def live(args: argparse.Namespace) -> dict[str, Any]:
+    """Each layout served once and loaded at each rate in turn (ascending), the same
+    trace shape at every rate but a new seed per rate (a repeated trace would hit the
+    encoder-output and prefix caches); both layouts get the same traces."""
     from loadgen.client import BenchConfig, run_bench
     from loadgen.metrics import compute_summary
+    from loadgen.scenario import build_requests
 
-    base = replace(
-        workload(args.num_requests, args.seed, args.burstiness),
-        input_len="uniform:16-64",
-        output_len="uniform:8-24",
-        image_size="336",
-    )
-    out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rate": args.rate}
+    rates = sorted(args.rate)
+    traces = [
+        replace(
+            workload(args.num_requests, args.seed + i, args.burstiness),
+            input_len="uniform:16-64",
+            output_len="uniform:8-24",
+            image_size="336",
+        )
+        for i in range(len(rates))
+    ]
+    out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in LIVE_LAYOUTS.items():
             port = _free_port()
             proc = _serve(layout, port, Path(tmp))
+            rows = []
             try:
                 url = f"http://127.0.0.1:{port}"
                 _wait_ready(url, proc)
-                config = BenchConfig(url, base, RateSpec(args.rate), endpoint="chat", slo=LIVE_SLO)
-                result = run_bench(config)
+                for rps, base in zip(rates, traces, strict=True):
+                    load_before = os.getloadavg()[0]
+                    config = BenchConfig(url, base, RateSpec(rps), endpoint="chat", slo=LIVE_SLO)
+                    result = run_bench(config)
+                    images = {
+                        s.request_id for s in build_requests(base, RateSpec(rps)) if s.image_sides
+                    }
+                    text = [r for r in result.records if r.request_id not in images]
+                    text_summary = compute_summary(text, 1.0, LIVE_SLO)
+                    s = result.summary
+                    rows.append(
+                        {
+                            "rate_rps": rps,
+                            "p90_ttft_ms": s["p90_ttft_ms"],
+                            "text_p90_ttft_ms": text_summary["p90_ttft_ms"],
+                            "request_goodput": s["request_goodput"],
+                            "slo_attainment": s["slo_attainment"],
+                            "failed": sum(not r.success for r in result.records),
+                            "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                        }
+                    )
             finally:
                 proc.terminate()
                 proc.wait(60)
-            from loadgen.scenario import build_requests
-
-            images = {
-                s.request_id for s in build_requests(base, RateSpec(args.rate)) if s.image_sides
-            }
-            text = [r for r in result.records if r.request_id not in images]
-            text_summary = compute_summary(text, 1.0, LIVE_SLO)
-            s = result.summary
-            out[name] = {
-                "layout": layout,
-                "p90_ttft_ms": s["p90_ttft_ms"],
-                "text_p90_ttft_ms": text_summary["p90_ttft_ms"],
-                "request_goodput": s["request_goodput"],
-                "slo_attainment": s["slo_attainment"],
-                "failed": sum(not r.success for r in result.records),
-            }
+            out[name] = {"layout": layout, "sweep": rows, "at_90": goodput_at_attainment(rows)}
     return out
 
 
@@ -206,10 +322,21 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--burstiness", type=float, default=0.25)
-    parser.add_argument("--rates-per-gpu", type=float, nargs="+", default=None)
+    parser.add_argument("--ladder", type=float, default=1.5, help="rate step of the search")
+    parser.add_argument("--bisections", type=int, default=3, help="halvings after the ladder")
+    parser.add_argument("--jobs", type=int, default=2, help="simulations at once (processes)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--length-split",
+        choices=["spatial", "temporal"],
+        default="spatial",
+        help="the router's long/short prefill split, the same for both layouts "
+        "(spatial, as served: a quarter of the prefill workers take long prompts)",
+    )
     parser.add_argument("--live", action="store_true", help="the tiny cluster, not the sim")
-    parser.add_argument("--rate", type=float, default=4.0, help="--live: requests per second")
+    parser.add_argument(
+        "--rate", type=float, nargs="+", default=[4.0], help="--live: requests per second (a sweep)"
+    )
     args = parser.parse_args()
     if args.live:
         started_cpu = time.process_time()
@@ -217,32 +344,13 @@ def main() -> None:
         result["client_cpu_s"] = time.process_time() - started_cpu
         print(json.dumps(result, indent=2))
         return
-    per_gpu = args.rates_per_gpu or [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5]
-    started_cpu = time.process_time()
-    out: dict[str, Any] = {
-        "profile": PROFILE,
-        "slo_ms": SLO.as_dict(),
-        "attainment": ATTAINMENT,
-        "image_tokens_per_image": IMAGE_TOKENS,
-        "results": {},
-    }
-    for gpus in args.gpus:
-        base = workload(args.num_requests, args.seed, args.burstiness)
-        rates = [round(r * gpus, 3) for r in per_gpu]
-        entry: dict[str, Any] = {}
-        for name, layout in layouts(gpus).items():
-            rows = run_layout(layout, rates, replace(base))
-            entry[name] = {
-                "layout": layout,
-                "sweep": rows,
-                "at_90": goodput_at_attainment(rows),
-            }
-        epd, coloc = entry["epd"]["at_90"], entry["encode_colocated"]["at_90"]
-        entry["goodput_ratio_epd_over_colocated"] = (
-            epd["request_goodput"] / coloc["request_goodput"] if coloc["request_goodput"] else None
-        )
-        out["results"][str(gpus)] = entry
-    out["sim_cpu_s"] = time.process_time() - started_cpu
+    started = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = simulated(args)
+    ended = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out["sim_cpu_s"] = sum(
+        e.ru_utime + e.ru_stime - (s.ru_utime + s.ru_stime)
+        for s, e in zip(started, ended, strict=True)
+    )
     print(json.dumps(out, indent=2))
 
 

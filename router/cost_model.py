@@ -91,6 +91,9 @@ class Profile:
     max_num_seqs: int
     sources: tuple[str, ...] = ()
     encode: EncodeCoeffs = EncodeCoeffs()
+    # KV blocks the vision weights take on a worker that holds them; a worker that never
+    # encodes has ``num_kv_blocks + vision_kv_blocks`` (0: not accounted separately)
+    vision_kv_blocks: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -110,6 +113,7 @@ class Profile:
                 max_num_seqs=int(data["max_num_seqs"]),
                 sources=tuple(str(s) for s in data.get("sources", ())),
                 encode=EncodeCoeffs(**{k: float(v) for k, v in data.get("encode", {}).items()}),
+                vision_kv_blocks=int(data.get("vision_kv_blocks", 0)),
             )
         except KeyError as exc:
             raise ValueError(f"profile is missing field {exc.args[0]!r}") from None
@@ -130,6 +134,7 @@ class Profile:
             "max_num_seqs": self.max_num_seqs,
             "sources": list(self.sources),
             "encode": {"a": self.encode.a, "b": self.encode.b},
+            "vision_kv_blocks": self.vision_kv_blocks,
         }
 
 

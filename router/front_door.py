@@ -59,6 +59,7 @@ from router.types import (
     RunningRequest,
     StepSample,
     WorkerView,
+    split_images,
 )
 
 __all__ = ["Hold", "Router", "RouterSettings", "WorkerReport"]
@@ -198,6 +199,8 @@ class _Reservation:
     held_tokens: int
     max_tokens: int
     image_tokens: int = 0  # queued on the plan's encode worker until its first event
+    # Split over several encode workers: each one's share of ``image_tokens``.
+    encode_tokens: dict[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -333,7 +336,7 @@ class Router:
                 self.refusals.refused(now_s, decision.reason)  # nothing of the roles' mix
             return decision
         if profile.num_images and not hasattr(self.policy, "observe_encode"):
-            decision = _with_encode_worker(decision, view)
+            decision = _with_encode_worker(decision, view, profile.num_images)
         if not replaced:  # a re-placement continues a started stream: never refused here
             refusal = self.admission.judge(profile, decision, now_s, self.settings.default_slo)
             if refusal is not None:
@@ -442,6 +445,7 @@ class Router:
             profile.num_prompt_tokens + profile.num_image_tokens,
             profile.max_tokens,
             profile.num_image_tokens,
+            _encode_tokens(plan, profile),
         )
         for wid in touched:
             self._by_worker.setdefault(wid, set()).add(rid)
@@ -485,9 +489,10 @@ class Router:
             if r.plan.prefill_worker == wid:
                 queued_tokens[r.length_class] += r.prefill_tokens
                 queued_requests[r.length_class] += 1
-            if r.plan.encode_worker == wid:  # an encode worker's queue: image tokens
-                queued_tokens[LengthClass.SHORT] += r.image_tokens
-                queued_requests[LengthClass.SHORT] += 1
+            if r.plan.encode_worker == wid or r.encode_tokens:  # an encode queue: image tokens
+                share = r.image_tokens if r.encode_tokens is None else r.encode_tokens.get(wid, 0)
+                queued_tokens[LengthClass.SHORT] += share
+                queued_requests[LengthClass.SHORT] += 1 if share else 0
             if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
                 num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
                 running.append(RunningRequest(r.held_tokens, 0, r.max_tokens))
@@ -516,15 +521,28 @@ class Router:
         )
 
 
-def _with_encode_worker(plan: Plan, view: ClusterView) -> Plan:
-    """For a policy that does not price encodes: the encode worker with the fewest
-    queued image tokens, if there is one (an operator who started encode workers
-    wants images encoded there)."""
+def _with_encode_worker(plan: Plan, view: ClusterView, num_images: int) -> Plan:
+    """For a policy that does not price encodes: the request's images spread over the
+    encode workers with the fewest queued image tokens, one part per worker, if there
+    are any (an operator who started encode workers wants images encoded there)."""
     encoders = view.by_role(Role.ENCODE)
     if not encoders or plan.encode_worker is not None:
         return plan
-    chosen = min(encoders, key=lambda w: sum(w.queued_tokens.values()))
-    return dataclasses.replace(plan, encode_worker=chosen.worker_id)
+    ranked = sorted(encoders, key=lambda w: sum(w.queued_tokens.values()))
+    parts = split_images(max(1, num_images), tuple(w.worker_id for w in ranked))
+    split = parts if len(parts) > 1 else ()
+    return dataclasses.replace(plan, encode_worker=parts[0][0], encode_parts=split)
+
+
+def _encode_tokens(plan: Plan, profile: RequestProfile) -> dict[str, int] | None:
+    """A split plan: each encode worker's share of the image tokens (by its images)."""
+    if not plan.encode_parts:
+        return None
+    per_image = profile.num_image_tokens / max(1, profile.num_images)
+    shares: dict[str, int] = {}
+    for wid, start, stop in plan.encode_parts:
+        shares[wid] = shares.get(wid, 0) + round((stop - start) * per_image)
+    return shares
 
 
 def _touched(plan: Plan) -> tuple[str, ...]:
@@ -532,7 +550,7 @@ def _touched(plan: Plan) -> tuple[str, ...]:
     touched = (
         (plan.prefill_worker,) if decode == plan.prefill_worker else (plan.prefill_worker, decode)
     )
-    return touched if plan.encode_worker is None else (*touched, plan.encode_worker)
+    return (*touched, *plan.encode_workers)
 
 
 def _moved(shown: TransferCoeffs, now: TransferCoeffs) -> bool:

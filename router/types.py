@@ -21,6 +21,7 @@ __all__ = [
     "RunningRequest",
     "StepSample",
     "WorkerView",
+    "split_images",
 ]
 
 
@@ -112,14 +113,44 @@ class ClusterView:
 class Plan:
     prefill_worker: str
     decode_worker: str | None  # None: colocated on prefill_worker
-    encode_worker: str | None = None
+    encode_worker: str | None = None  # the encode worker of the first (or only) part
     length_class: LengthClass = LengthClass.SHORT
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    # One request's images split over several encode workers: (worker, first image,
+    # end image) per part, in image order; () with ``encode_worker`` set: all on it.
+    encode_parts: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def colocated(self) -> bool:
         return self.decode_worker is None or self.decode_worker == self.prefill_worker
+
+    @property
+    def encode_workers(self) -> tuple[str, ...]:
+        """Every encode worker the plan names, in part order (no repeats)."""
+        if self.encode_parts:
+            return tuple(dict.fromkeys(w for w, _, _ in self.encode_parts))
+        return () if self.encode_worker is None else (self.encode_worker,)
+
+    def encode_split(self, num_images: int) -> tuple[tuple[str, int, int], ...]:
+        """The parts as (worker, first image, end image) for ``num_images`` images."""
+        if self.encode_parts:
+            return self.encode_parts
+        if self.encode_worker is None or num_images <= 0:
+            return ()
+        return ((self.encode_worker, 0, num_images),)
+
+
+def split_images(num_images: int, workers: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
+    """``num_images`` images in contiguous, near-equal parts over ``workers`` (at most
+    one part per image): the first parts take the extra image."""
+    k = min(num_images, len(workers))
+    parts, start = [], 0
+    for j in range(k):
+        size = num_images // k + (1 if j < num_images % k else 0)
+        parts.append((workers[j], start, start + size))
+        start += size
+    return tuple(parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,9 @@ Event loop (one heap, ordered by time then sequence number)::
     STEP_END   a worker's step/segment ends   -> tokens advance, finishes recorded
     LANDED     a KV transfer completes        -> decode worker may admit it
     ENCODED    an encode worker's encode (FIFO per worker) and the embeddings' pull
-               are done -> the request joins its prefill worker's queue; a request
+               are done -> the request joins its prefill worker's queue once its
+               last part has landed (a plan may split the images over several
+               encode workers, which encode their parts at once); a request
                with images and no encode worker is encoded by its prefill worker,
                in its first prefill step
     REBALANCE  every rebalance_interval_s     -> router.plan_flip(now): drain one worker
@@ -27,7 +29,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loadgen.metrics import RequestRecord
 from loadgen.sim.profile import Profile
@@ -62,6 +64,7 @@ class _Encoding:
     request: SimRequest
     encoder_id: str
     encode_s: float
+    num_image_tokens: int  # this part's
 
 
 class SimCluster:
@@ -84,6 +87,7 @@ class SimCluster:
         self.profile = profile
         self.image_tokens_per_image = image_tokens_per_image
         self._encoder_free_s: dict[str, float] = {}  # encode worker -> when its queue empties
+        self._parts_left: dict[str, int] = {}  # request id -> encode parts not landed yet
         self.router = router
         self.slo = slo
         self.prefix_caching = prefix_caching
@@ -126,7 +130,7 @@ class SimCluster:
         return SimWorker(
             worker_id,
             role,
-            self.profile,
+            self._worker_profile(role),
             self.prefill_budget_tokens if role is Role.PREFILL else self.chunk_tokens,
             self._schedule_step,
             self._on_prefilled,
@@ -136,6 +140,14 @@ class SimCluster:
             self._dirty,
             self.make_admission() if self.make_admission and role is not Role.PREFILL else None,
         )
+
+    def _worker_profile(self, role: Role) -> Profile:
+        """A decode worker never encodes here (no recompute after preemption is
+        modelled): without the vision weights, their memory holds KV blocks too."""
+        prof = self.profile
+        if role is not Role.DECODE or not prof.vision_kv_blocks:
+            return prof
+        return replace(prof, num_kv_blocks=prof.num_kv_blocks + prof.vision_kv_blocks)
 
     # ---- driving ------------------------------------------------------------
     def run_open_loop(self, specs: list[RequestSpec]) -> None:
@@ -255,28 +267,39 @@ class SimCluster:
             hit = self._cached_prefix_tokens(prefill, req)
             req.prefill_left = req.prefill_total = max(1, req.input_len - hit)
         if req.num_image_tokens:
-            encode = self.profile.encode
-            encode_s = encode.a + encode.b * req.num_image_tokens
             if plan.encode_worker is not None:
-                self._encode_remotely(req, plan.encode_worker, encode_s, now_s)
+                self._encode_remotely(req, plan, now_s)
                 return
-            req.encode_s = encode_s
+            encode = self.profile.encode
+            req.encode_s = encode.a + encode.b * req.num_image_tokens
         prefill.enqueue_prefill(req, now_s)
         self.router.release(req.request_id, prefill.worker_id)  # its queue counts it now
 
-    def _encode_remotely(
-        self, req: SimRequest, encoder_id: str, encode_s: float, now_s: float
-    ) -> None:
-        """FIFO on the encode worker, then the embeddings' pull (one link latency)."""
-        start_s = max(now_s, self._encoder_free_s.get(encoder_id, 0.0))
-        self._encoder_free_s[encoder_id] = start_s + encode_s
-        landed_s = start_s + encode_s + self.profile.transfer.latency_s
-        self._push(landed_s, _ENCODED, _Encoding(req, encoder_id, encode_s), 0)
+    def _encode_remotely(self, req: SimRequest, plan: Plan, now_s: float) -> None:
+        """Each part FIFO on its encode worker, then its embeddings' pull (one link
+        latency); the parts of one request run at once on their workers."""
+        encode = self.profile.encode
+        num_images = max(1, req.num_image_tokens // max(1, self.image_tokens_per_image))
+        per_image = req.num_image_tokens / num_images
+        parts = plan.encode_split(num_images)
+        self._parts_left[req.request_id] = len(parts)
+        for encoder_id, first, end in parts:
+            num_tokens = round((end - first) * per_image)
+            encode_s = encode.a + encode.b * num_tokens
+            start_s = max(now_s, self._encoder_free_s.get(encoder_id, 0.0))
+            self._encoder_free_s[encoder_id] = start_s + encode_s
+            landed_s = start_s + encode_s + self.profile.transfer.latency_s
+            encoding = _Encoding(req, encoder_id, encode_s, num_tokens)
+            self._push(landed_s, _ENCODED, encoding, 0)
 
     def _encoded(self, encoding: _Encoding, now_s: float) -> None:
         req, encoder_id, encode_s = encoding.request, encoding.encoder_id, encoding.encode_s
         self.router.release(req.request_id, encoder_id)  # as live: at its first event
-        self.router.observe_encode(encoder_id, req.num_image_tokens, encode_s)
+        self.router.observe_encode(encoder_id, encoding.num_image_tokens, encode_s)
+        left = self._parts_left.pop(req.request_id) - 1
+        if left:
+            self._parts_left[req.request_id] = left
+            return
         prefill = req.prefill_worker
         assert prefill is not None
         prefill.enqueue_prefill(req, now_s)
@@ -429,7 +452,7 @@ class SimCluster:
             draining=w.draining,
             seq=seq,
             block_size=prof.block_size,
-            num_total_blocks=prof.num_kv_blocks,
+            num_total_blocks=w.profile.num_kv_blocks,
             num_free_blocks=max(0, (w.capacity_tokens - used_tokens) // prof.block_size),
             running=running,
             waiting_prompt_lens=tuple([r.prefill_left for r in w.queue]),

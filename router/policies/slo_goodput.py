@@ -21,9 +21,14 @@ For a request of effective prefill length ``n`` (per worker: its own prefix hit)
    split a long prompt is never colocated while a long prefill pool exists.
 4. *Encode* (requests with images): on the prefill worker itself
    (``own = encode(m)`` for ``m`` image tokens, the fitted ``a + b·m`` of
-   ``router.encode_fit``), or on the encode worker with the least queued image
-   tokens, where it overlaps the prefill worker's wait:
-   ``remote = max(0, queue_E·b + encode(m) + latency_E − wait_P)``. Remote wins
+   ``router.encode_fit``), or remotely, where it overlaps the prefill worker's wait.
+   Remotely, a request's images may be split over the ``k`` least-queued encode
+   workers (contiguous parts, the larger ones on the less queued): the parts run at
+   once and the encode is ready when the last part lands,
+   ``ready_k = max_j (queue_j·b + encode(m_j) + latency_j)`` for part ``j`` of
+   ``m_j`` image tokens; ``k`` (1 up to the image count) is the one with the least
+   ``ready_k`` (a tie keeps fewer parts: a part on a queued encoder lands later), and
+   ``remote = max(0, ready_k − wait_P)``. Remote wins
    for ``P`` when ``remote ≤ 2·own``: an encode on ``P`` also delays every request
    queued behind it there by ``own`` (the stall), which a remote encode does not.
    The plan names the encode worker only when remote won for its prefill worker.
@@ -67,6 +72,7 @@ from router.types import (
     RequestProfile,
     Role,
     StepSample,
+    split_images,
 )
 from router.worker_table import TableSettings, WorkerTable
 
@@ -237,7 +243,7 @@ class SloGoodput:
             case _:
                 wait_s = t.wait_long_s if is_long else t.wait_short_s
         own_encode_s = self._encode_fit.encode_s(profile.num_image_tokens)
-        encode_s, remote, encode_worker = self._encode(profile, wait_s, own_encode_s)
+        encode_s, remote, encode_parts = self._encode(profile, wait_s, own_encode_s)
         ttft_local = wait_s + prefill_s
         if profile.num_image_tokens > 0:
             ttft_local = ttft_local + encode_s
@@ -306,9 +312,10 @@ class SloGoodput:
                 t, ttft_local, feasible_decode, budget_s, elapsed_s, batch, hopeless
             )
         plan = best[1]
-        if encode_worker is None or not self._remote_for(plan.prefill_worker, remote):
+        if not encode_parts or not self._remote_for(plan.prefill_worker, remote):
             return plan
-        return replace(plan, encode_worker=encode_worker)
+        split = encode_parts if len(encode_parts) > 1 else ()
+        return replace(plan, encode_worker=encode_parts[0][0], encode_parts=split)
 
     def _prefill_penalty(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray:
         """0 on the prefill workers this request may use, inf elsewhere."""
@@ -340,23 +347,38 @@ class SloGoodput:
 
     def _encode(
         self, profile: RequestProfile, wait_s: np.ndarray | float, own_s: float
-    ) -> tuple[np.ndarray | float, np.ndarray | bool, str | None]:
-        """Per prefill worker: the TTFT the encode adds, whether it runs remotely, and
-        the encode worker that would run it (see step 4 of the module docstring)."""
+    ) -> tuple[np.ndarray | float, np.ndarray | bool, tuple[tuple[str, int, int], ...]]:
+        """Per prefill worker: the TTFT the encode adds and whether it runs remotely;
+        and the parts (encode worker, first image, end image) that would run it (see
+        step 4 of the module docstring)."""
         if profile.num_image_tokens <= 0:
-            return 0.0, False, None
+            return 0.0, False, ()
         t = self._table
         mask = t.is_role(Role.ENCODE)
         if not mask.any() or t.workers is None:
-            return own_s, False, None
-        e = int(np.argmin(np.where(mask, t.queued_tokens, np.inf)))
+            return own_s, False, ()
         b = self._encode_fit.estimate.b
-        ready_s = b * float(t.queued_tokens[e]) + own_s + float(t.link_latency_s[e])
+        encoders = np.flatnonzero(mask)
+        order = encoders[np.argsort(t.queued_tokens[encoders], kind="stable")]
+        num_images = max(1, profile.num_images)
+        ids = tuple(t.workers[int(e)].worker_id for e in order[:num_images])
+        per_image = profile.num_image_tokens / num_images
+        ready_s, parts = math.inf, split_images(num_images, ids[:1])
+        for k in range(1, len(ids) + 1):
+            split = split_images(num_images, ids[:k])
+            ready_k = max(
+                b * float(t.queued_tokens[e])
+                + self._encode_fit.encode_s((stop - start) * per_image)
+                + float(t.link_latency_s[e])
+                for e, (_, start, stop) in zip(order, split, strict=False)
+            )
+            if ready_k < ready_s - 1e-9:  # a tie keeps fewer parts
+                ready_s, parts = ready_k, split
         remote_s = np.maximum(0.0, ready_s - wait_s)
         # A profile that prices no encode (and nothing fitted yet) defers to the operator,
         # who started encode workers to use them.
         remote = remote_s <= 2.0 * own_s if own_s > 0 else np.full_like(t.queued_tokens, True, bool)
-        return np.where(remote, remote_s, own_s), remote, t.workers[e].worker_id
+        return np.where(remote, remote_s, own_s), remote, parts
 
     def _remote_for(self, prefill_worker: str, remote: np.ndarray | bool) -> bool:
         if not isinstance(remote, np.ndarray):

@@ -6,6 +6,9 @@
     encode         a plan with an encode worker (a request with images): Encode on it
                    -> a handle on the embeddings it holds; the prefilling worker
                    pulls them (Generate(request, images=handle)) before it prefills.
+                   A plan that splits the images over several encode workers sends
+                   each its part at once; the prefilling worker pulls every part
+                   (``more_images``) and starts when the last has landed.
                    Without one the prefilling worker encodes the images itself
     colocated      Generate(request) on one worker; stream its deltas
     disaggregated  Generate(prefill_only) on the prefill worker -> first token
@@ -30,8 +33,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from kvtransfer.types import BlockHandle
 from router.correction import Outcome
@@ -61,6 +65,7 @@ from services.workers.messages import (
 __all__ = ["ExecutorConfig", "PlanExecutor"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +285,7 @@ class PlanExecutor:
         return Overloaded(f"request rejected: {reason}", retry_after_s, should_retry=retryable)
 
     def _plan_is_live(self, plan: Plan) -> bool:
-        names = [plan.prefill_worker, plan.decode_worker, plan.encode_worker]
+        names = [plan.prefill_worker, plan.decode_worker, *plan.encode_workers]
         return all(self._clients(n) is not None for n in names if n is not None)
 
     # -- execution ----------------------------------------------------------------------
@@ -296,13 +301,15 @@ class PlanExecutor:
     ) -> AsyncGenerator[TokenDelta, None]:
         """Run one placement; ``placed_id`` names its reservation in the router,
         ``request_id`` the request on the workers (attempts differ)."""
-        embeddings: BlockHandle | None = None
-        encode_id = plan.encode_worker if images and not generated else None
+        embeddings: tuple[BlockHandle, ...] = ()
+        parts = plan.encode_split(len(images)) if images and not generated else ()
         try:
-            if encode_id is not None:
-                embeddings = await self._encode(
-                    encode_id, placed_id, request_id, prompt, sampling, images
+            if parts:
+                encodes = (
+                    self._encode(wid, placed_id, request_id, prompt, sampling, images[i:j])
+                    for wid, i, j in parts
                 )
+                embeddings = tuple(await _all_or_none(encodes))
             body = self._run_plan(
                 plan, placed_id, request_id, prompt, generated, sampling, images, embeddings
             )
@@ -310,9 +317,10 @@ class PlanExecutor:
                 async for delta in s:
                     yield delta
         finally:
-            encode_client = self._clients(encode_id) if encode_id is not None else None
-            if encode_client is not None:
-                encode_client.abort(request_id)  # frees the embeddings if nobody pulled them
+            for encode_id in dict.fromkeys(wid for wid, _, _ in parts):
+                encode_client = self._clients(encode_id)
+                if encode_client is not None:  # frees the embeddings if nobody pulled them
+                    encode_client.abort(request_id)
 
     async def _encode(
         self,
@@ -357,7 +365,7 @@ class PlanExecutor:
         generated: tuple[int, ...],
         sampling: SamplingParams,
         images: tuple[ImageInput, ...],
-        embeddings: BlockHandle | None,
+        embeddings: tuple[BlockHandle, ...],
     ) -> AsyncGenerator[TokenDelta, None]:
         if plan.colocated or generated:
             # A continuation after a failure runs where decoding would have run.
@@ -367,7 +375,7 @@ class PlanExecutor:
             request = EngineRequest(
                 request_id, prompt, sampling, output_token_ids=generated, images=images
             )
-            job = Generate(request, images=embeddings)
+            job = _generate(request, embeddings)
             stream = self._stream(worker_id, job, placed_id, prefill=True)
             async with _closing(stream) as s:
                 async for delta in s:
@@ -397,14 +405,14 @@ class PlanExecutor:
         prompt: tuple[int, ...],
         sampling: SamplingParams,
         images: tuple[ImageInput, ...],
-        embeddings: BlockHandle | None,
+        embeddings: tuple[BlockHandle, ...],
     ) -> AsyncGenerator[TokenDelta, None]:
         completed = False
         try:
             handle = None
             first_tokens: tuple[int, ...] = ()
             request = EngineRequest(request_id, prompt, sampling, prefill_only=True, images=images)
-            prefill_job = Generate(request, images=embeddings)
+            prefill_job = _generate(request, embeddings)
             prefill = self._stream(prefill_id, prefill_job, placed_id, prefill=True)
             async with _closing(prefill) as s:
                 async for delta in s:
@@ -499,6 +507,25 @@ class PlanExecutor:
             if not finished:
                 client.abort(request.request_id)
             await _aclose(events)
+
+
+def _generate(request: EngineRequest, embeddings: tuple[BlockHandle, ...]) -> Generate:
+    """Generate, pulling first the embeddings of every encode part (none: encode here)."""
+    if not embeddings:
+        return Generate(request)
+    return Generate(request, images=embeddings[0], more_images=embeddings[1:])
+
+
+async def _all_or_none(coros: Iterable[Awaitable[_T]]) -> list[_T]:
+    """Run ``coros`` at once; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _aclose(events: object) -> None:

@@ -8,8 +8,11 @@ like the engine and the connector. Call order::
                                         -> ImagesEncoded(handle); the slots go back to the
                                         pool when the puller is done, on abort, or when
                                         the lease expires (on_release, queued to progress)
-    prefill worker  start_pull(job)     EmbeddingPool.allocate -> connector.pull(handle, "mm")
-                    progress()          each finished pull: DONE -> the request, its images
+    prefill worker  start_pull(job)     EmbeddingPool.allocate -> connector.pull(handle, "mm"),
+                                        one pull per part (``job.more_images``: images
+                                        split over several encode workers)
+                    progress()          each finished pull (every part DONE, or one
+                                        FAILED): DONE -> the request, its images
                                         carrying their embeddings, ready for add_request
                                         (with an ImagesPulled event); FAILED -> a TRANSFER
                                         failure, and the gateway re-plans the request
@@ -58,8 +61,7 @@ class PulledRequest:
 @dataclass(slots=True)
 class _Pull:
     request: EngineRequest
-    transfer_id: str
-    slots: list[int]
+    parts: list[tuple[str, list[int]]]  # (transfer_id, slots) per encode worker's part
     num_bytes: int
     started_s: float
 
@@ -147,27 +149,31 @@ class ImageStage:
     def start_pull(self, job: Generate) -> RequestFailed | None:
         """Land the embeddings ``job.images`` names; a failure to send, or None (pulling)."""
         request = job.request
-        handle = job.images
-        assert handle is not None
+        assert job.images is not None
+        handles = (job.images, *job.more_images)  # one per encode worker's part, in order
         pool, connector = self._pool, self._connector
         if pool is None or connector is None:
             return RequestFailed(
                 request.request_id, FailureKind.INTERNAL, "this worker cannot take embeddings"
             )
-        if not pool.can_allocate(len(handle.block_ids)):
+        if not pool.can_allocate(sum(len(h.block_ids) for h in handles)):
             return RequestFailed(request.request_id, FailureKind.CAPACITY, "no free embedding slot")
-        slots = pool.allocate(len(handle.block_ids))
-        try:
-            transfer_id = connector.pull(handle, MM_REGION, slots)
-        except Exception as e:  # KVTransferError, or NIXL's or torch's own: this request only
-            pool.free(slots)
-            return RequestFailed(
-                request.request_id, FailureKind.TRANSFER, f"image embeddings pull failed: {e}"
-            )
-        num_bytes = len(slots) * handle.layout.block_bytes
-        self._pulls[request.request_id] = _Pull(
-            request, transfer_id, slots, num_bytes, time.monotonic()
-        )
+        parts: list[tuple[str, list[int]]] = []
+        num_bytes = 0
+        for handle in handles:
+            slots = pool.allocate(len(handle.block_ids))
+            try:
+                transfer_id = connector.pull(handle, MM_REGION, slots)
+            except Exception as e:  # KVTransferError, or NIXL's or torch's own: this request only
+                pool.free(slots)
+                for started_id, started_slots in parts:  # freed once they can't write
+                    self._orphans[started_id] = started_slots
+                return RequestFailed(
+                    request.request_id, FailureKind.TRANSFER, f"image embeddings pull failed: {e}"
+                )
+            parts.append((transfer_id, slots))
+            num_bytes += len(slots) * handle.layout.block_bytes
+        self._pulls[request.request_id] = _Pull(request, parts, num_bytes, time.monotonic())
         return None
 
     # -- both ---------------------------------------------------------------------
@@ -183,36 +189,43 @@ class ImageStage:
                 self._pool.free(slots)
         ended: list[PulledRequest] = []
         for request_id, pull in list(self._pulls.items()):
-            try:
-                state = self._connector.poll(pull.transfer_id)
-            except Exception as e:  # the backend's own error: this pull only
-                state = TransferState.FAILED
-                reason = f": {e}"
-            else:
-                reason = ""
-            if not state.is_final:
-                continue
+            states, reason = [], ""
+            for transfer_id, _ in pull.parts:
+                try:
+                    states.append(self._connector.poll(transfer_id))
+                except Exception as e:  # the backend's own error: this pull only
+                    states.append(TransferState.FAILED)
+                    reason = f": {e}"
+            failed = any(s is TransferState.FAILED for s in states)
+            if not failed and not all(s.is_final for s in states):
+                continue  # the request is ready when its last part has landed
             del self._pulls[request_id]
-            if state is TransferState.DONE:
-                embeddings = self._pool.load(pull.slots)
-                self._pool.free(pull.slots)
+            slots = [slot for _, part_slots in pull.parts for slot in part_slots]
+            if not failed:
+                embeddings = self._pool.load(slots)
+                self._pool.free(slots)
                 request = _with_embeddings(pull.request, embeddings)
                 duration_s = time.monotonic() - pull.started_s
                 ended.append(
                     PulledRequest(request, ImagesPulled(request_id, pull.num_bytes, duration_s))
                 )
             else:
-                self._pool.free(pull.slots)
+                for (transfer_id, part_slots), state in zip(pull.parts, states, strict=True):
+                    if state.is_final:
+                        self._pool.free(part_slots)
+                    else:  # another part still in flight: freed once it cannot write
+                        self._orphans[transfer_id] = part_slots
                 message = f"image embeddings pull failed or timed out{reason}"
-                failed = RequestFailed(request_id, FailureKind.TRANSFER, message)
-                ended.append(PulledRequest(None, failed))
+                failed_event = RequestFailed(request_id, FailureKind.TRANSFER, message)
+                ended.append(PulledRequest(None, failed_event))
         return ended
 
     def abort(self, request_id: str) -> bool:
         """Drop the request's pull or hold; True if it had one."""
         pull = self._pulls.pop(request_id, None)
         if pull is not None:  # its slots are free once the transfer can no longer write them
-            self._orphans[pull.transfer_id] = pull.slots
+            for transfer_id, slots in pull.parts:
+                self._orphans[transfer_id] = slots
             return True
         held = self._held.get(request_id)
         if held is not None and self._connector is not None:

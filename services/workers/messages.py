@@ -9,6 +9,7 @@ Gateway -> worker (arguments of ``Worker.generate``)::
     Encode(request)              encode worker: run the vision tower and projector on
                                  the request's images, hold the embeddings under a lease
     Generate(request, images=h)  as Generate, but first pull the images' embeddings
+                                 (from every part's encode worker: ``more_images``)
                                  that an encode worker holds (handle ``h``)
 
 Worker -> gateway, per request and in order::
@@ -62,6 +63,9 @@ __all__ = [
 class Generate:
     request: EngineRequest
     images: BlockHandle | None = None  # embeddings an encode worker holds for its images
+    # Images split over several encode workers: the later parts' embeddings, each held
+    # by its own encode worker, in image order (``images`` holds the first part's).
+    more_images: tuple[BlockHandle, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 tiny-vl, 32 greedy tokens each, colocated (in-process: the worker encodes its own
 images) and E/P/D with 1 encode + 1 prefill + 1 decode worker over ``nixl`` and over
 ``torch``: the encode worker encodes the images and holds their embeddings, the
-prefill worker pulls them (region ``mm``), the decode worker pulls the prompt's KV.
+prefill worker pulls them (region ``mm``), the decode worker pulls the prompt's KV;
+and with 2 encode workers (``nixl``), each request's images split over both.
 The oracle is ``transformers``' LlavaForConditionalGeneration holding the same weights.
 (Prefill workers that encode their own images in P/D: tests/unit/workers and the
 engine tests.)
@@ -65,6 +66,14 @@ def nixl_epd(ray_cluster: str) -> Iterator[ServedGateway]:
 @pytest.fixture  # one cluster at a time: the CI box has two cores
 def torch_epd(ray_cluster: str) -> Iterator[ServedGateway]:
     config = _config(**{"kvtransfer.backend": "torch", "workers.encode": 1})
+    with ServedGateway(real_service(config, ray=True)) as s:
+        yield s
+
+
+@pytest.fixture  # one cluster at a time: the CI box has two cores
+def split_epd(ray_cluster: str) -> Iterator[ServedGateway]:
+    """Two encode workers: round_robin spreads each request's images over both."""
+    config = _config(**{"kvtransfer.backend": "nixl", "workers.encode": 2})
     with ServedGateway(real_service(config, ray=True)) as s:
         yield s
 
@@ -153,6 +162,18 @@ def test_six_image_requests_together_equal_transformers(
         assert again == expected[:1]
         after = worker_snapshots(server)["encode-0"]
         assert (after.num_images_encoded, after.num_image_cache_hits) == (num_images, 1)
+
+
+def test_images_split_over_two_encode_workers_equal_transformers(
+    split_epd: ServedGateway, expected: list[str]
+) -> None:
+    """Each two-image request's images are encoded one on each encode worker at once;
+    the prefill worker pulls both parts and its text equals transformers'."""
+    two_images = [1, 4]
+    got = asyncio.run(_chat_all(split_epd.base_url, [CASES[i] for i in two_images]))
+    assert got == [expected[i] for i in two_images]
+    encoded = {w: s.num_images_encoded for w, s in worker_snapshots(split_epd).items()}
+    assert encoded == {"encode-0": 2, "encode-1": 2, "prefill-0": 0, "decode-0": 0}
 
 
 def test_a_dead_decode_worker_mid_image_stream_gives_the_same_text(

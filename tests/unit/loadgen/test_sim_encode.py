@@ -70,3 +70,14 @@ def test_slo_goodput_uses_an_idle_encode_worker() -> None:
     assert ttft["txt"] == pytest.approx(0.01 + 50 * 0.001)
     # Its embeddings land at 0.045, behind the text prefill (0.001 to 0.061): FIFO.
     assert ttft["img"] == pytest.approx(0.061 + 0.11)
+
+
+def test_a_request_s_images_split_over_two_encode_workers_land_with_the_last_part() -> None:
+    three = RequestSpec("three", 0.0, 70, 3, image_sides=(448, 448, 448))  # 70 + 30 tokens
+    # round_robin spreads the three images over both encode workers: two on one, one
+    # on the other, at once. The two-image part is the last to land: 0.02 + 20 x 0.001,
+    # then the latency 0.005; then the prefill 0.01 + 100 x 0.001.
+    split = _ttfts(_config(num_encode=2), [three])["three"]
+    assert split == pytest.approx(0.04 + 0.005 + 0.11)
+    whole = _ttfts(_config(num_encode=1), [three])["three"]  # 0.02 + 30 x 0.001 on one
+    assert whole == pytest.approx(0.05 + 0.005 + 0.11)

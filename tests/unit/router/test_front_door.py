@@ -249,6 +249,23 @@ def test_image_requests_queue_on_the_least_loaded_encode_worker_until_it_answers
     assert isinstance(text, Plan) and text.encode_worker is None  # no images, no encode
 
 
+def test_a_policy_that_does_not_price_encodes_spreads_images_over_the_least_queued() -> None:
+    r = router(policy="round_robin")
+    for wid in ("e0", "e1", "e2"):
+        r.update(snapshot(wid, Role.ENCODE))
+    busy = r.place(_image_request("busy", image_tokens=500), 0.0)  # one image: on e0
+    assert isinstance(busy, Plan) and busy.encode_workers == ("e0",)
+    three = replace(_image_request("three", image_tokens=300), num_images=3)
+    plan = r.place(three, 0.0)
+    assert isinstance(plan, Plan)
+    assert plan.encode_parts == (("e1", 0, 1), ("e2", 1, 2), ("e0", 2, 3))
+    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
+    assert (queued["e0"], queued["e1"], queued["e2"]) == (600, 100, 100)  # each its share
+    r.release("three", "e1")  # e1 answered: its share is off its queue, the others' stay
+    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
+    assert (queued["e0"], queued["e1"], queued["e2"]) == (600, 0, 100)
+
+
 def test_a_released_reservation_brings_back_the_workers_peak_table_undrawn() -> None:
     """The decode worker's past-future table is drawn once per running set: placing a
     request draws one with the request added, and releasing it shows the report's own

@@ -242,6 +242,33 @@ def test_images_are_encoded_on_the_prefill_worker_when_every_encoder_is_swamped(
     assert plan.encode_worker == "e"
 
 
+def test_a_request_s_images_are_split_over_encoders_when_that_lands_them_sooner(
+    tmp_path,
+) -> None:
+    path = tmp_path / "profile.json"
+    save_profile(PROFILE, path)
+    v = view(
+        worker("e0", Role.ENCODE),
+        worker("e1", Role.ENCODE),
+        worker("e2", Role.ENCODE, short_tokens=1000, short_requests=1),
+        worker("p", Role.PREFILL),
+        worker("d", Role.DECODE),
+    )
+    four = replace(request(PROMPT, image_tokens=400), num_images=4)
+    plan = plan_of(policy(profile=str(path)).plan(four, v, 0.0))
+    # All on e0: 0.005 + 400e-5 + 1 ms = 10 ms; two images each on e0 and e1: 0.005 +
+    # 200e-5 + 1 ms = 8 ms; three parts (2, 1, 1 images; e2 queues 10 ms): 18 ms.
+    assert plan.encode_parts == (("e0", 0, 2), ("e1", 2, 4)) and plan.encode_worker == "e0"
+    assert plan.encode_workers == ("e0", "e1")
+    expected = 0.008 + prefill_s(900) + 900 * 1e5 / 1e9 + 0.001
+    assert plan.predicted_ttft_s == pytest.approx(expected)
+    # One image is never split.
+    one = replace(request(PROMPT, image_tokens=400), num_images=1)
+    plan = plan_of(policy(profile=str(path)).plan(one, v, 0.0))
+    assert plan.encode_parts == () and plan.encode_worker == "e0"
+    assert plan.encode_split(1) == (("e0", 0, 1),)
+
+
 def test_the_encode_term_is_fitted_from_observed_encodes(tmp_path) -> None:
     path = tmp_path / "profile.json"
     save_profile(PROFILE, path)

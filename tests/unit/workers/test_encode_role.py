@@ -105,6 +105,54 @@ async def test_pulled_embeddings_give_the_tokens_of_encoding_in_place(
     assert enc._loop._images.num_held == 0
 
 
+async def test_images_split_over_two_encode_workers_give_the_tokens_of_encoding_in_place() -> None:
+    """Three images: the first on one encode worker, the other two on another; the
+    prefill worker pulls both parts (``more_images``) and starts when both landed."""
+    made = {
+        name: Worker(WorkerSpec(name, role, _engine, _connector, telemetry_interval_s=0.05))
+        for name, role in (("enc-a", Role.ENCODE), ("enc-b", Role.ENCODE), ("pre", Role.MIXED))
+    }
+    try:
+        request = _request("split", [1, 2, 3])
+        pre = made["pre"]
+        in_place = _tokens(await _all(pre.generate(Generate(replace(request, request_id="ref")))))
+        first = replace(request, images=request.images[:1])
+        rest = replace(request, images=request.images[1:])
+        part_a, part_b = await asyncio.gather(
+            _all(made["enc-a"].generate(Encode(first))), _all(made["enc-b"].generate(Encode(rest)))
+        )
+        assert isinstance(part_a[0], ImagesEncoded) and isinstance(part_b[0], ImagesEncoded)
+        assert (part_a[0].num_images, part_b[0].num_images) == (1, 2)
+        blind = tuple(replace(i, data=None) for i in request.images)
+        job = Generate(
+            replace(request, images=blind), images=part_a[0].handle, more_images=(part_b[0].handle,)
+        )
+        events = await _all(pre.generate(job))
+        assert isinstance(events[0], ImagesPulled) and events[0].num_bytes > 0
+        assert _tokens(events) == in_place and len(in_place) == 8
+        assert (await pre.snapshot()).num_images_encoded == 3  # only its own in-place run
+        # One part's hold gone (the other held): the whole pull fails, a re-plan, no hang.
+        held_a, gone_b = await asyncio.gather(
+            _all(made["enc-a"].generate(Encode(replace(first, request_id="gone")))),
+            _all(made["enc-b"].generate(Encode(replace(rest, request_id="gone")))),
+        )
+        assert isinstance(held_a[0], ImagesEncoded) and isinstance(gone_b[0], ImagesEncoded)
+        await made["enc-b"].abort("gone")
+        await asyncio.sleep(0.05)
+        job = Generate(
+            replace(request, request_id="gone", images=blind),
+            images=held_a[0].handle,
+            more_images=(gone_b[0].handle,),
+        )
+        events = await _all(pre.generate(job))
+        assert isinstance(events[-1], RequestFailed), events
+        assert events[-1].kind is FailureKind.TRANSFER
+        assert _tokens(events) == []
+    finally:
+        for w in made.values():
+            w._loop.stop()
+
+
 async def test_a_repeated_image_is_encoded_once(workers: dict[str, Worker]) -> None:
     enc = workers["enc"]
     first = await _all(enc.generate(Encode(_request("a", [3]))))
