@@ -84,8 +84,6 @@ class WorkerTable:
         self.block_size = np.ones(n)
         self.step_base_s, self.step_per_token_s = zeros(), zeros()
         self.chunked_step_s = zeros()  # a step that also carries a full prefill chunk
-        self.chunk_tokens = zeros()  # that full chunk (0: this worker runs no chunks)
-        self.chunk_s_per_token = zeros()  # what each chunk token adds to such a step
         self.num_running, self.max_num_seqs = zeros(), zeros()
         self.held_tokens, self.peak_tokens = zeros(), zeros()
         self.inbound_tokens = zeros()  # KV placed to decode here, not yet running here
@@ -174,12 +172,9 @@ class WorkerTable:
         # every step the running sequences wait on; 0 where the budget is unknown.
         chunk = max(0, w.prefill_budget_tokens - num_running - 1)
         prefill = model.prefill_coeffs
-        chunks = bool(chunk) and w.role is not Role.PREFILL
-        self.chunk_tokens[i] = chunk if chunks else 0
-        self.chunk_s_per_token[i] = prefill.b * p_margin if chunks else 0.0
         self.chunked_step_s[i] = (
             self.step_base_s[i] + (max(0.0, prefill.a - dec.a) + prefill.b * chunk) * p_margin
-            if chunks
+            if chunk and w.role is not Role.PREFILL
             else 0.0
         )
         self.num_running[i] = num_running
