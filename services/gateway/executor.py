@@ -46,6 +46,7 @@ from services.engine.messages import EngineRequest, FinishReason, ImageInput, Sa
 from services.engine.tokenizer import Tokenizer
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import BadRequest, Overloaded, ServiceFailure
+from services.gateway.hold_line import HoldLine
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient, WorkerDiedError
 from services.workers.messages import (
@@ -130,6 +131,7 @@ class PlanExecutor:
         self._metrics = metrics
         self._config = config
         self._on_worker_died = on_worker_died
+        self._hold_line = HoldLine()
 
     def use_policy(self, name: str) -> None:
         """Place requests with the policy ``name`` from now on (placed ones are unaffected)."""
@@ -253,25 +255,73 @@ class PlanExecutor:
 
     # -- placement ----------------------------------------------------------------------
     async def _place(self, profile: RequestProfile, *, replaced: bool = False) -> Plan:
-        """A plan for ``profile``; a re-placed request (``replaced``) holds on any
-        rejection until room appears (``replace_hold_s``): its stream has started."""
-        hold_s = self._config.replace_hold_s if replaced else self._config.max_hold_s
-        deadline_s = time.monotonic() + hold_s
-        router = self._router
-        while True:
-            now_s = time.monotonic()
-            decision = router.place(profile, now_s, replaced=replaced)
-            self._metrics.decision_s.labels(self._config.policy_name).observe(
-                time.monotonic() - now_s
-            )
+        """A plan for ``profile``. A held request waits in the hold line (hold_line.py)
+        until ``max_hold_s``; a re-placed one (``replaced``: its stream has started)
+        skips the line and holds on any rejection until room appears
+        (``replace_hold_s``)."""
+        if replaced:
+            return await self._place_replaced(profile)
+        deadline_s = time.monotonic() + self._config.max_hold_s
+        line = self._hold_line
+        rid = profile.request_id
+        if len(line):
+            self._refuse_behind(line, profile)  # raises when the line is too slow for it
+            decision: Plan | Hold | Reject = Hold("waiting behind held requests", 1.0)
+        else:
+            decision = self._try_place(profile, replaced=False)
             if isinstance(decision, Plan):
-                if self._plan_is_live(decision):
+                return decision
+            if isinstance(decision, Reject) or time.monotonic() >= deadline_s:
+                raise self._refusal(profile, decision)
+        line.join(rid)
+        try:
+            if not await line.wait_turn(rid, deadline_s - time.monotonic()):
+                raise self._refusal(profile, decision)
+            while True:
+                decision = self._try_place(profile, replaced=False)
+                if isinstance(decision, Plan):
                     return decision
-                _unreserve(router, profile.request_id, decision)  # a worker left meanwhile
-            may_wait = replaced or not isinstance(decision, Reject)
-            if not may_wait or time.monotonic() >= deadline_s:
+                if isinstance(decision, Reject) or time.monotonic() >= deadline_s:
+                    raise self._refusal(profile, decision)
+                await asyncio.sleep(self._config.hold_poll_s)
+        finally:
+            line.leave(rid, time.monotonic())
+
+    async def _place_replaced(self, profile: RequestProfile) -> Plan:
+        deadline_s = time.monotonic() + self._config.replace_hold_s
+        while True:
+            decision = self._try_place(profile, replaced=True)
+            if isinstance(decision, Plan):
+                return decision
+            if time.monotonic() >= deadline_s:
                 raise self._refusal(profile, decision)
             await asyncio.sleep(self._config.hold_poll_s)
+
+    def _try_place(self, profile: RequestProfile, *, replaced: bool) -> Plan | Hold | Reject:
+        """One router decision; a plan whose worker left meanwhile counts as a hold."""
+        router = self._router
+        now_s = time.monotonic()
+        decision = router.place(profile, now_s, replaced=replaced)
+        self._metrics.decision_s.labels(self._config.policy_name).observe(time.monotonic() - now_s)
+        if isinstance(decision, Plan) and not self._plan_is_live(decision):
+            _unreserve(router, profile.request_id, decision)
+            return Hold("a planned worker left", self._config.hold_poll_s)
+        return decision
+
+    def _refuse_behind(self, line: HoldLine, profile: RequestProfile) -> None:
+        """Refuse at once a request that would wait out its time behind the line."""
+        now_s = time.monotonic()
+        wait_s = line.expected_wait_s(now_s)
+        if wait_s is None:
+            return
+        ttft_s = profile.slo.ttft_s or self._router.settings.default_slo.ttft_s
+        budget_s = self._config.max_hold_s
+        if ttft_s is not None:
+            budget_s = min(budget_s, ttft_s - max(0.0, now_s - profile.arrival_s))
+        if wait_s > budget_s:
+            reason = "too many requests held ahead"
+            self._metrics.rejections.labels(reason, profile.priority.value).inc()
+            raise Overloaded(f"request rejected: {reason}", max(1.0, wait_s))
 
     def _refusal(self, profile: RequestProfile, decision: Plan | Hold | Reject) -> Overloaded:
         match decision:

@@ -1,0 +1,112 @@
+"""The hold line: held requests wait in arrival order and only the head asks the router
+again; a request the line cannot serve in time is refused at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from router.front_door import Router, RouterSettings
+from router.types import ClusterView, Plan, Reject, RequestProfile, Role
+from services.backends.fake import FakeTokenizer
+from services.engine.messages import FinishReason, SamplingParams
+from services.gateway.errors import Overloaded
+from services.gateway.executor import ExecutorConfig, PlanExecutor
+from services.gateway.hold_line import HoldLine
+from services.metrics import BatonMetrics
+from tests.unit.gateway.test_executor import ScriptedWorker, delta, snapshot
+
+pytestmark = pytest.mark.asyncio
+
+POLL_S = 0.01
+
+
+@dataclass
+class FakeGate:
+    """A policy that holds every request until ``open``, then runs it on ``w``."""
+
+    name: str = "fake_gate"
+    open: bool = False
+    num_plans: int = 0
+
+    def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan | Reject:
+        self.num_plans += 1
+        if not self.open:
+            return Reject("no room yet", retry_after_s=POLL_S, hold=True)
+        return Plan(prefill_worker="w", decode_worker=None)
+
+
+def gated_executor(max_hold_s: float = 30.0) -> tuple[PlanExecutor, FakeGate, ScriptedWorker]:
+    gate = FakeGate()
+    router = Router(RouterSettings(policy="round_robin", max_hold_s=max_hold_s), policy=gate)
+    router.update(snapshot("w", Role.MIXED))
+    worker = ScriptedWorker("w", lambda job: [delta(65, FinishReason.LENGTH)])
+    config = ExecutorConfig("fake_gate", "local", max_hold_s=max_hold_s, hold_poll_s=POLL_S)
+    executor = PlanExecutor(
+        router, {"w": worker}.get, BatonMetrics(), config,  # type: ignore[arg-type]
+        lambda _: None, FakeTokenizer(),
+    )  # fmt: skip
+    return executor, gate, worker
+
+
+async def run_one(executor: PlanExecutor, request_id: str) -> list[str]:
+    sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    return [d.text async for d in executor.run(request_id, (65, 66), sampling, time.monotonic())]
+
+
+async def test_only_the_head_of_the_line_asks_the_router_and_arrival_order_is_kept() -> None:
+    executor, gate, worker = gated_executor()
+    ids = [f"r{i}" for i in range(20)]
+    tasks = []
+    for rid in ids:
+        tasks.append(asyncio.create_task(run_one(executor, rid)))
+        await asyncio.sleep(0)  # arrive one after another
+    await asyncio.sleep(0.3)  # 30 polls while everything is held
+    held_plans = gate.num_plans
+    # One decision per poll for the head (each of 20 on its own would be ~600).
+    assert held_plans <= 0.3 / POLL_S + len(ids)
+    gate.open = True
+    await asyncio.gather(*tasks)
+    assert [job.request.request_id for job in worker.jobs] == ids
+
+
+async def test_a_request_is_refused_at_once_when_the_line_cannot_serve_it_in_time() -> None:
+    line = HoldLine(window_s=2.0, min_departures=2)
+    for rid in ("a", "b", "c", "d"):
+        line.join(rid)
+    assert line.expected_wait_s(0.0) is None  # nobody has left yet: no estimate
+    line.leave("a", 0.5)
+    line.leave("b", 1.0)  # 2 left in 2 s: 1 per second, 2 still waiting
+    assert line.expected_wait_s(1.0) == pytest.approx(2.0)
+    assert line.expected_wait_s(3.6) is None  # those departures aged out of the window
+
+    executor, gate, _ = gated_executor(max_hold_s=1.0)
+    first = asyncio.create_task(run_one(executor, "first"))
+    await asyncio.sleep(0.05)
+    line = executor._hold_line
+    line._departures.extend([time.monotonic()] * 2)  # 1 per s lately
+    for rid in ("x", "y"):  # two more already waiting: ~3 s ahead of a newcomer
+        line.join(rid)
+    with pytest.raises(Overloaded, match="held ahead"):
+        await run_one(executor, "late")
+    gate.open = True
+    line.leave("x", 0.0)
+    line.leave("y", 0.0)
+    assert await first == ["A"]
+
+
+async def test_a_waiter_whose_time_runs_out_leaves_without_waking_the_others() -> None:
+    line = HoldLine()
+    line.join("head")
+    line.join("second")
+    line.join("third")
+    assert await line.wait_turn("head", 0.0)
+    assert not await line.wait_turn("third", 0.02)
+    line.leave("third", 0.0)
+    assert not await line.wait_turn("second", 0.0)  # the head is still there
+    line.leave("head", 0.0)
+    assert await line.wait_turn("second", 0.0)
+    assert len(line) == 1
