@@ -5,7 +5,9 @@ A policy that predicts (``Plan.predicted_ttft_s`` / ``predicted_tpot_s``, as
 again through the workers' learned corrections (``router.correction``) and refuses it,
 before anything is reserved or queued, when
 
-* the request's age plus its corrected TTFT passes ``headroom × TTFT target``, or
+* the request's age plus its corrected TTFT passes ``headroom × TTFT target`` (the
+  corrected TTFT is at least how long the oldest request placed on the same prefill
+  worker has waited for its first token so far: the queue as it is now), or
 * its decode worker's corrected TPOT passes ``headroom × TPOT target``,
 
 where ``headroom`` is 1 for ``interactive`` and ``batch_headroom`` (< 1) for ``batch``
@@ -39,9 +41,15 @@ class Admission:
         self.corrector = corrector
 
     def judge(
-        self, profile: RequestProfile, plan: Plan, now_s: float, default_slo: SLO
+        self,
+        profile: RequestProfile,
+        plan: Plan,
+        now_s: float,
+        default_slo: SLO,
+        waited_s: float = 0.0,
     ) -> Reject | None:
-        """None: admit ``plan``; else why not."""
+        """None: admit ``plan``; else why not. ``waited_s``: how long the oldest request
+        placed on the plan's prefill worker has waited for its first token so far."""
         if not self.settings.enabled:
             return None
         headroom = self.settings.batch_headroom if profile.priority is Priority.BATCH else 1.0
@@ -50,6 +58,10 @@ class Admission:
         corrected_ttft_s = 0.0
         if plan.predicted_ttft_s is not None:
             corrected_ttft_s = self.corrector.ttft_s(plan.prefill_worker, plan.predicted_ttft_s)
+            # The queue ahead as it is now: a request joining it waits about as long as
+            # the one at its head has (the model and its correction lag behind a
+            # worker that has just slowed down, or a burst that has just arrived).
+            corrected_ttft_s = max(corrected_ttft_s, waited_s)
             elapsed_s = max(0.0, now_s - profile.arrival_s)
             if (
                 ttft_target_s is not None

@@ -198,6 +198,7 @@ class _Reservation:
     length_class: LengthClass
     held_tokens: int
     max_tokens: int
+    placed_s: float | None = None  # when ``place`` made it (None: reserved from outside)
     image_tokens: int = 0  # queued on the plan's encode worker until its first event
     # Split over several encode workers: each one's share of ``image_tokens``.
     encode_tokens: dict[str, int] | None = None
@@ -222,7 +223,8 @@ class Router:
         self._workers: dict[str, _Worker] = {}
         self._dead: set[str] = set()
         self._reservations: dict[str, _Reservation] = {}  # request id -> what it took
-        self._by_worker: dict[str, set[str]] = {}  # worker id -> reserving request ids
+        # worker id -> reserving request ids, oldest first (a dict keeps insertion order)
+        self._by_worker: dict[str, dict[str, None]] = {}
         self._observed: set[str] = set()  # request ids whose length θ has seen
         self._output_lens: deque[int] = deque(maxlen=_OUTPUT_HISTORY)
         self._output_tuple: tuple[int, ...] = ()
@@ -267,7 +269,7 @@ class Router:
             self._slots = None
             self._stale.discard(worker_id)
             self._view = None
-        for request_id in self._by_worker.pop(worker_id, set()):
+        for request_id in self._by_worker.pop(worker_id, {}):
             self._drop_reservation(request_id)
         self._links.pop(worker_id, None)
         self._published_links.pop(worker_id, None)
@@ -338,13 +340,18 @@ class Router:
         if profile.num_images and not hasattr(self.policy, "observe_encode"):
             decision = _with_encode_worker(decision, view, profile.num_images)
         if not replaced:  # a re-placement continues a started stream: never refused here
-            refusal = self.admission.judge(profile, decision, now_s, self.settings.default_slo)
+            waited_s = self.pending_age_s(decision.prefill_worker, now_s)
+            refusal = self.admission.judge(
+                profile, decision, now_s, self.settings.default_slo, waited_s
+            )
             if refusal is not None:
                 self._observed.discard(profile.request_id)
                 self.refusals.refused(now_s, refusal.reason)
                 return refusal
             self.refusals.placed(now_s)
-        self.reserve(profile, decision)  # observed until ``release(id)``: a re-place is not new
+        self.reserve(
+            profile, decision, now_s
+        )  # observed until ``release(id)``: a re-place is not new
         return decision
 
     def release(self, request_id: str, worker_id: str | None = None) -> None:
@@ -408,6 +415,16 @@ class Router:
             None if pressure is None else choose_flip(self.view(), pressure, self._planner, now_s)
         )
 
+    def pending_age_s(self, worker_id: str, now_s: float) -> float:
+        """How long the oldest request placed to prefill on ``worker_id`` has waited
+        without its first event (0 with none): the worker's queue as it is now, however
+        slowly it runs, where the view shows it as last reported and as modelled."""
+        for rid in self._by_worker.get(worker_id, {}):  # oldest first
+            r = self._reservations[rid]
+            if r.plan.prefill_worker == worker_id and r.placed_s is not None:
+                return max(0.0, now_s - r.placed_s)
+        return 0.0
+
     def block_size(self) -> int | None:
         """The KV block size prompts are hashed by for prefix matching (the smallest)."""
         sizes = [w.report.block_size for w in self._workers.values()]
@@ -430,9 +447,10 @@ class Router:
         m = self.mean_prompt_tokens
         self.mean_prompt_tokens = n if m == 0 else m + _PROMPT_EMA_WEIGHT * (n - m)
 
-    def reserve(self, profile: RequestProfile, plan: Plan) -> None:
+    def reserve(self, profile: RequestProfile, plan: Plan, placed_s: float | None = None) -> None:
         """Hold what ``plan`` will take on its workers until ``release`` (``place`` does
-        this for its plans; for a plan made elsewhere, e.g. an operator pinning)."""
+        this for its plans, at ``placed_s``; for a plan made elsewhere, e.g. an operator
+        pinning)."""
         rid = profile.request_id
         self._drop_reservation(rid)
         tokens = effective_prefill_tokens(profile)
@@ -444,11 +462,12 @@ class Router:
             self.classifier.classify(tokens),
             profile.num_prompt_tokens + profile.num_image_tokens,
             profile.max_tokens,
+            placed_s,
             profile.num_image_tokens,
             _encode_tokens(plan, profile),
         )
         for wid in touched:
-            self._by_worker.setdefault(wid, set()).add(rid)
+            self._by_worker.setdefault(wid, {})[rid] = None
             self._invalidate(wid)
 
     def _drop_reservation(self, request_id: str, worker_id: str | None = None) -> None:
@@ -460,7 +479,7 @@ class Router:
             r.workers.discard(wid)
             ids = self._by_worker.get(wid)
             if ids is not None:
-                ids.discard(request_id)
+                ids.pop(request_id, None)
             self._invalidate(wid)
         if not r.workers:
             del self._reservations[request_id]

@@ -93,3 +93,18 @@ def test_a_worker_that_changes_role_starts_afresh() -> None:
     assert isinstance(ask(r, "a"), Reject)
     r.update(snapshot("p", Role.MIXED, seq=2))
     assert isinstance(ask(r, "b"), Plan)
+
+
+def test_a_queue_that_has_kept_its_head_waiting_refuses_before_the_model_learns_it() -> None:
+    """The model says 0.5 s and nothing has been learned yet, but the request placed on p
+    1.2 s ago still has no first token: a newcomer would wait about as long, and misses
+    its 1 s target. Once p answers the old one (its telemetry counts it), p admits."""
+    r = build(FakePredictingPolicy(ttft_s=0.5))
+    old = RequestProfile("old", 100, 100, 16, arrival_s=0.0)
+    assert isinstance(r.place(old, 0.0), Plan)
+    assert r.pending_age_s("p", 1.2) == 1.2 and r.pending_age_s("d", 1.2) == 0.0
+    late = r.place(RequestProfile("new", 100, 100, 16, arrival_s=1.2), 1.2)
+    assert isinstance(late, Reject) and late.reason == "predicted ttft miss"
+    assert late.retry_after_s >= 1.2
+    r.release("old", "p")  # p's first event for it: p's queue no longer holds it
+    assert isinstance(r.place(RequestProfile("new2", 100, 100, 16, arrival_s=1.2), 1.2), Plan)
