@@ -57,7 +57,9 @@ class Admission:
         tpot_target_s = profile.slo.tpot_s or default_slo.tpot_s
         corrected_ttft_s = 0.0
         if plan.predicted_ttft_s is not None:
-            corrected_ttft_s = self.corrector.ttft_s(plan.prefill_worker, plan.predicted_ttft_s)
+            corrected_ttft_s = self.corrector.ttft_s(
+                plan.prefill_worker, plan.predicted_ttft_s, now_s
+            )
             # The queue ahead as it is now: a request joining it waits about as long as
             # the one at its head has (the model and its correction lag behind a
             # worker that has just slowed down, or a burst that has just arrived).
@@ -70,7 +72,8 @@ class Admission:
                 return self._refuse("predicted ttft miss", corrected_ttft_s)
         if plan.predicted_tpot_s is not None and tpot_target_s is not None:
             decode = plan.decode_worker or plan.prefill_worker
-            if self.corrector.tpot_s(decode, plan.predicted_tpot_s) > headroom * tpot_target_s:
+            corrected_tpot_s = self.corrector.tpot_s(decode, plan.predicted_tpot_s, now_s)
+            if corrected_tpot_s > headroom * tpot_target_s:
                 return self._refuse("predicted tpot miss", corrected_ttft_s)
         return None
 

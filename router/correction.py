@@ -9,7 +9,10 @@ finished request reports its observed TTFT and TPOT against the plan's predictio
     observed ≈ bias_s + scale · predicted
 
 by least squares over a short window of the latest pairs, so a change in a worker's
-speed is followed within ``window`` requests. With few pairs, or predictions that
+speed is followed within ``window`` requests. Pairs also age out after ``max_age_s``
+(when the reader passes the time): a correction learned while a worker was slow must
+not outlive the slowness, and while admission refuses everything a worker teaches
+nothing new, so without ageing one slow spell would keep the worker refused for good. With few pairs, or predictions that
 barely vary, it falls back to a pure bias (the mean error); ``scale`` is clamped so
 that one odd request cannot turn the fit upside down.
 
@@ -37,6 +40,7 @@ class Outcome:
     observed_ttft_s: float | None
     predicted_tpot_s: float | None
     observed_tpot_s: float | None
+    at_s: float | None = None  # when it was measured (None: never ages out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,7 @@ class CorrectionSettings:
     min_samples: int = 4  # fewer: no correction
     min_scale: float = 0.25
     max_scale: float = 8.0
+    max_age_s: float = 30.0  # older pairs are dropped when read with the time
     # Predictions must spread this much (relative std) for a scale to be fitted.
     min_relative_spread: float = 0.05
 
@@ -67,11 +72,21 @@ class Correction:
     def __init__(self, settings: CorrectionSettings) -> None:
         self._settings = settings
         self._pairs: deque[tuple[float, float]] = deque(maxlen=settings.window)
+        self._times: deque[float | None] = deque(maxlen=settings.window)
         self._fit: LinearFit | None = _IDENTITY
 
-    def observe(self, predicted_s: float, observed_s: float) -> None:
+    def observe(self, predicted_s: float, observed_s: float, at_s: float | None = None) -> None:
         self._pairs.append((predicted_s, observed_s))
+        self._times.append(at_s)
         self._fit = None  # refitted when next read
+
+    def expire(self, now_s: float) -> None:
+        """Drop the pairs measured more than ``max_age_s`` before ``now_s``."""
+        horizon = now_s - self._settings.max_age_s
+        while self._times and (at_s := self._times[0]) is not None and at_s < horizon:
+            self._times.popleft()
+            self._pairs.popleft()
+            self._fit = None
 
     @property
     def num_samples(self) -> int:
@@ -110,17 +125,19 @@ class OutcomeCorrector:
     def observe(self, outcome: Outcome) -> None:
         o = outcome
         if o.predicted_ttft_s is not None and o.observed_ttft_s is not None:
-            self._get(self._ttft, o.prefill_worker).observe(o.predicted_ttft_s, o.observed_ttft_s)
+            ttft = self._get(self._ttft, o.prefill_worker)
+            ttft.observe(o.predicted_ttft_s, o.observed_ttft_s, o.at_s)
         if o.predicted_tpot_s is not None and o.observed_tpot_s is not None:
-            self._get(self._tpot, o.decode_worker).observe(o.predicted_tpot_s, o.observed_tpot_s)
+            tpot = self._get(self._tpot, o.decode_worker)
+            tpot.observe(o.predicted_tpot_s, o.observed_tpot_s, o.at_s)
 
-    def ttft_s(self, worker_id: str, predicted_s: float) -> float:
-        c = self._ttft.get(worker_id)
-        return predicted_s if c is None else c.fit.apply(predicted_s)
+    def ttft_s(self, worker_id: str, predicted_s: float, now_s: float | None = None) -> float:
+        """``predicted_s`` corrected by what ``worker_id`` taught (``now_s``: only what
+        it taught within ``max_age_s``)."""
+        return _corrected(self._ttft.get(worker_id), predicted_s, now_s)
 
-    def tpot_s(self, worker_id: str, predicted_s: float) -> float:
-        c = self._tpot.get(worker_id)
-        return predicted_s if c is None else c.fit.apply(predicted_s)
+    def tpot_s(self, worker_id: str, predicted_s: float, now_s: float | None = None) -> float:
+        return _corrected(self._tpot.get(worker_id), predicted_s, now_s)
 
     def ttft_fit(self, worker_id: str) -> LinearFit:
         c = self._ttft.get(worker_id)
@@ -140,3 +157,11 @@ class OutcomeCorrector:
         if c is None:
             c = table[worker_id] = Correction(self.settings)
         return c
+
+
+def _corrected(c: Correction | None, predicted_s: float, now_s: float | None) -> float:
+    if c is None:
+        return predicted_s
+    if now_s is not None:
+        c.expire(now_s)
+    return c.fit.apply(predicted_s)

@@ -178,6 +178,7 @@ def _admission_from_config(admission: Any) -> dict[str, Any]:
             min_samples=c.min_samples,
             min_scale=c.min_scale,
             max_scale=c.max_scale,
+            max_age_s=c.max_age_s,
         ),
     }
 

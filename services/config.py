@@ -118,6 +118,9 @@ class CorrectionConfig(_Section):
     min_samples: int = Field(4, ge=1, description="fewer pairs: predictions are used as they are")
     min_scale: float = Field(0.25, gt=0, le=1, description="the fitted scale is clamped to this")
     max_scale: float = Field(8.0, ge=1, le=1000, description="and to this")
+    max_age_s: float = Field(
+        30.0, gt=0, le=3600, description="pairs older than this are forgotten (seconds)"
+    )
 
     @model_validator(mode="after")
     def _fits_in_window(self) -> CorrectionConfig:

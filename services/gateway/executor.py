@@ -106,6 +106,7 @@ class _Trace:
             observed_ttft_s=self.first_token_s - self.placed_s,
             predicted_tpot_s=plan.predicted_tpot_s,
             observed_tpot_s=tpot_s,
+            at_s=self.last_token_s,
         )
 
 

@@ -108,3 +108,17 @@ def test_a_queue_that_has_kept_its_head_waiting_refuses_before_the_model_learns_
     assert late.retry_after_s >= 1.2
     r.release("old", "p")  # p's first event for it: p's queue no longer holds it
     assert isinstance(r.place(RequestProfile("new2", 100, 100, 16, arrival_s=1.2), 1.2), Plan)
+
+
+def test_a_worker_refused_while_it_was_slow_is_tried_again_once_that_has_aged_out() -> None:
+    """Refusing everything, a worker teaches nothing new: what it taught while slow must
+    not keep it refused for good (a live 2 prefill + 2 decode cluster refused every
+    request, even at a quarter of its capacity, after one slow spell)."""
+    r = build(FakePredictingPolicy(tpot_s=0.05))
+    for i in range(12):
+        r.observe_outcome(10, Outcome("p", "d", 0.5, 0.5, 0.05, 0.15, at_s=float(i)))
+    late = RequestProfile("i", 100, 100, 16, arrival_s=12.0)
+    assert isinstance(r.place(late, 12.0), Reject)  # 3x slower decodes: a TPOT miss
+    max_age_s = r.corrector.settings.max_age_s
+    later = RequestProfile("j", 100, 100, 16, arrival_s=12.0 + max_age_s)
+    assert isinstance(r.place(later, 12.0 + max_age_s), Plan)

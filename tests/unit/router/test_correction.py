@@ -58,3 +58,15 @@ def test_forget_drops_what_a_worker_taught() -> None:
         c.observe(outcome("w", 0.1, 0.5))
     c.forget("w")
     assert c.ttft_s("w", 0.1) == 0.1
+
+
+def test_what_a_worker_taught_ages_out_when_read_with_the_time() -> None:
+    c = OutcomeCorrector(CorrectionSettings(max_age_s=10.0))
+    for i in range(8):  # a slow spell at t = 0..7 s: 3x the predictions
+        p = 0.1 + 0.01 * i
+        c.observe(Outcome("w", "w", p, 3 * p, p, 3 * p, at_s=float(i)))
+    assert c.ttft_s("w", 0.2, now_s=8.0) == pytest.approx(0.6)
+    assert c.tpot_s("w", 0.2, now_s=8.0) == pytest.approx(0.6)
+    assert c.ttft_s("w", 0.2, now_s=13.5) == pytest.approx(0.6)  # 4 pairs left (t >= 3.5)
+    assert c.ttft_s("w", 0.2, now_s=18.0) == 0.2  # all older than 10 s: forgotten
+    assert c.ttft_s("w", 0.2) == 0.2  # and they stay forgotten

@@ -294,13 +294,19 @@ def test_admission_keys_of_the_router_section_reach_the_router() -> None:
                 "enabled": False,
                 "batch_headroom": 0.5,
                 "min_retry_after_s": 2.0,
-                "correction": {"window": 8, "min_samples": 2, "min_scale": 0.5, "max_scale": 3},
+                "correction": {
+                    "window": 8,
+                    "min_samples": 2,
+                    "min_scale": 0.5,
+                    "max_scale": 3,
+                    "max_age_s": 9,
+                },
             }
         }
     )
     settings = RouterSettings.from_config(config, PROFILE)
     assert settings.admission == AdmissionSettings(False, 0.5, 2.0)
-    assert settings.correction == CorrectionSettings(8, 2, 0.5, 3.0)
+    assert settings.correction == CorrectionSettings(8, 2, 0.5, 3.0, max_age_s=9.0)
     r = Router(settings)
     assert r.corrector.settings is settings.correction
     assert r.admission.settings is settings.admission
@@ -318,6 +324,7 @@ def test_admission_keys_of_the_router_section_reach_the_router() -> None:
         ({"min_retry_after_s": 0}, "admission.min_retry_after_s"),
         ({"correction": {"window": 1}}, "admission.correction.window"),
         ({"correction": {"max_scale": 0.5}}, "admission.correction.max_scale"),
+        ({"correction": {"max_age_s": 0}}, "admission.correction.max_age_s"),
         ({"correction": {"window": 4, "min_samples": 5}}, "must not exceed window"),
         ({"headroom": 0.5}, "admission.headroom"),  # unknown key
     ],
