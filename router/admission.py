@@ -8,7 +8,8 @@ before anything is reserved or queued, when
 * the request's age plus its corrected TTFT passes ``headroom × TTFT target`` (the
   corrected TTFT is at least how long the oldest request placed on the same prefill
   worker has waited for its first token so far: the queue as it is now), or
-* its decode worker's corrected TPOT passes ``headroom × TPOT target``,
+* its decode worker's corrected TPOT (at least the worker's recent step time while it
+  runs requests) passes ``headroom × TPOT target``,
 
 where ``headroom`` is 1 for ``interactive`` and ``batch_headroom`` (< 1) for ``batch``
 requests: as a worker slows, batch requests are refused first, and interactive ones
@@ -47,9 +48,11 @@ class Admission:
         now_s: float,
         default_slo: SLO,
         waited_s: float = 0.0,
+        step_s: float = 0.0,
     ) -> Reject | None:
         """None: admit ``plan``; else why not. ``waited_s``: how long the oldest request
-        placed on the plan's prefill worker has waited for its first token so far."""
+        placed on the plan's prefill worker has waited for its first token so far;
+        ``step_s``: the decode worker's recent step time while it runs requests."""
         if not self.settings.enabled:
             return None
         headroom = self.settings.batch_headroom if profile.priority is Priority.BATCH else 1.0
@@ -73,6 +76,9 @@ class Admission:
         if plan.predicted_tpot_s is not None and tpot_target_s is not None:
             decode = plan.decode_worker or plan.prefill_worker
             corrected_tpot_s = self.corrector.tpot_s(decode, plan.predicted_tpot_s, now_s)
+            # Likewise, its steps as they run now: a batch that contention has slowed
+            # past the target takes no one more until it is back within it.
+            corrected_tpot_s = max(corrected_tpot_s, step_s)
             if corrected_tpot_s > headroom * tpot_target_s:
                 return self._refuse("predicted tpot miss", corrected_ttft_s)
         return None

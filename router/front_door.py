@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes pref
 # A link's figures reach the view only when they moved this much: each transfer nudges
 # the fit, and rebuilding both ends' rows for every nudge would double the view's work.
 _LINK_TOLERANCE = 0.05
+_RECENT_STEPS = 3  # decode steps whose median is the worker's speed now
 _DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
 _DEFAULT_ADMISSION = AdmissionSettings()
 _DEFAULT_CORRECTION = CorrectionSettings()
@@ -342,8 +344,9 @@ class Router:
             decision = _with_encode_worker(decision, view, profile.num_images)
         if not replaced:  # a re-placement continues a started stream: never refused here
             waited_s = self.pending_age_s(decision.prefill_worker, now_s)
+            step_s = self.recent_step_s(decision.decode_worker or decision.prefill_worker)
             refusal = self.admission.judge(
-                profile, decision, now_s, self.settings.default_slo, waited_s
+                profile, decision, now_s, self.settings.default_slo, waited_s, step_s
             )
             if refusal is not None:
                 self._observed.discard(profile.request_id)
@@ -425,6 +428,16 @@ class Router:
             if r.plan.prefill_worker == worker_id and r.placed_s is not None:
                 return max(0.0, now_s - r.placed_s)
         return 0.0
+
+    def recent_step_s(self, worker_id: str) -> float:
+        """The median of the last few decode steps ``worker_id`` reported while it runs
+        requests (0 when it runs none: an idle worker's old steps say nothing of the
+        next one): the decode worker's speed as it is now."""
+        w = self._workers.get(worker_id)
+        if w is None or not w.report.running:
+            return 0.0
+        steps = [s.duration_s for s in w.report.recent_steps if s.num_prefill_tokens == 0]
+        return statistics.median(steps[-_RECENT_STEPS:]) if steps else 0.0
 
     def block_size(self) -> int | None:
         """The KV block size prompts are hashed by for prefix matching (the smallest)."""

@@ -3,11 +3,22 @@ learned correction; what will miss is refused at once (never held), ``batch`` fi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from router.correction import Outcome
 from router.front_door import Hold, Router, RouterSettings
-from router.types import SLO, ClusterView, Plan, Priority, Reject, RequestProfile, Role
+from router.types import (
+    SLO,
+    ClusterView,
+    Plan,
+    Priority,
+    Reject,
+    RequestProfile,
+    Role,
+    RunningRequest,
+    StepSample,
+)
 from tests.unit.router.test_front_door import snapshot
 
 TARGET = SLO(ttft_s=1.0, tpot_s=0.1)
@@ -122,3 +133,19 @@ def test_a_worker_refused_while_it_was_slow_is_tried_again_once_that_has_aged_ou
     max_age_s = r.corrector.settings.max_age_s
     later = RequestProfile("j", 100, 100, 16, arrival_s=12.0 + max_age_s)
     assert isinstance(r.place(later, 12.0 + max_age_s), Plan)
+
+
+def test_a_decode_worker_whose_steps_run_past_tpot_takes_no_one_more_until_idle() -> None:
+    """The model says 0.05 s and nothing has been learned yet, but d's last decode steps
+    took 0.3 s (contention) while it runs requests: over the 0.1 s TPOT target, so it
+    refuses. Once it runs nothing, those old steps say nothing of the next one."""
+    r = build(FakePredictingPolicy(tpot_s=0.05))
+    slow = tuple(StepSample(0.3, 0, 8, 800, end_s=float(i)) for i in range(4))
+    one = (RunningRequest(100, 5, 16),)
+    r.update(dataclasses.replace(snapshot("d", Role.DECODE, 2, running=one), recent_steps=slow))
+    assert r.recent_step_s("d") == 0.3 and r.recent_step_s("p") == 0.0
+    refused = ask(r, "i")
+    assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
+    r.update(dataclasses.replace(snapshot("d", Role.DECODE, 3), recent_steps=slow))
+    assert r.recent_step_s("d") == 0.0
+    assert isinstance(ask(r, "j"), Plan)
