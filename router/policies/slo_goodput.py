@@ -451,11 +451,7 @@ class SloGoodput:
         if not prefill_capable.any() or not t.in_roles((Role.DECODE, *self.colocate_roles)).any():
             return Reject("no live worker", retry_after_s=self.min_retry_after_s)
         best_ttft_s = self._best_prefill(t, ttft_local)
-        # A request held for decode room whose budget ran out while it waited was kept
-        # out by the decode side: its refusal says so, or the ratio planner, which reads
-        # TTFT refusals as prefill pressure, would take decode workers away.
-        waited_out = best_ttft_s <= budget_s + elapsed_s
-        if best_ttft_s > budget_s and not waited_out:
+        if best_ttft_s > budget_s:
             reason = "ttft target unreachable"
         elif not decodable.any():
             reason = "no decode capacity within memory and tpot"

@@ -119,9 +119,6 @@ def test_holds_while_ttft_is_reachable_then_rejects() -> None:
     # 0.95 s in, 0.05 s of budget is left and the best TTFT is 0.06 s: reject now.
     late = pol.plan(request(PROMPT, arrival_s=10.0), v, 10.95)
     assert isinstance(late, Reject) and not late.hold
-    # It waited for decode room: the refusal names that, not a TTFT the prefill side
-    # missed (the ratio planner reads TTFT refusals as prefill pressure).
-    assert late.reason == held.reason and "ttft" not in late.reason
     # A longer TTFT target keeps it reachable, but the hold is capped at max_hold_s.
     patient = policy(max_hold_s=0.5, default_slo=SLO_DEFAULT.__class__(10.0, 0.02))
     assert patient.plan(request(PROMPT, arrival_s=10.0), v, 10.4).hold  # type: ignore[union-attr]
