@@ -120,7 +120,12 @@ async def send_request(
             if status != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 return RequestRecord(
-                    spec.request_id, False, start_s, status=status, error=_error_text(body)
+                    spec.request_id,
+                    False,
+                    start_s,
+                    e2el_s=clock() - sent,  # how long the refusal took
+                    status=status,
+                    error=_error_text(body),
                 )
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):

@@ -37,6 +37,7 @@ __all__ = [
 
 PERCENTILES = (90, 99)
 _SLO_KEYS = ("ttft", "tpot", "e2el")
+_REFUSED = (429, 503)  # overload answers: Too Many Requests, Service Unavailable
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class RequestRecord:
     success: bool
     start_s: float  # send time, seconds from the run start
     ttft_s: float | None = None
-    e2el_s: float | None = None
+    e2el_s: float | None = None  # a failed request's: until its error answer, if any
     itl_s: tuple[float, ...] = ()
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -160,6 +161,12 @@ def compute_summary(
         out["request_goodput"] = good / duration
         out["slo_attainment"] = good / len(records) if records else 0.0
     out["goodput_slo_ms"] = slo.as_dict() if slo else None
+    # Refusals (429/503) beside goodput: how many, and how fast they were answered.
+    refused = [r for r in records if r.status in _REFUSED and r.e2el_s is not None]
+    out["rejected"] = len(refused)
+    refused_ms = [r.e2el_s * 1000 for r in refused if r.e2el_s is not None]
+    out["p99_rejection_ms"] = float(np.percentile(refused_ms, 99)) if refused_ms else 0.0
+    out["max_rejection_ms"] = max(refused_ms, default=0.0)
     ttft = np.array([r.ttft_s for r in ok if r.ttft_s is not None])
     tpot = np.array([request_tpot_s(r) for r in ok if r.output_tokens > 1])
     e2el = np.array([r.e2el_s for r in ok if r.e2el_s is not None])
