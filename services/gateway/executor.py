@@ -274,9 +274,10 @@ class PlanExecutor:
                 return decision
             if isinstance(decision, Reject) or time.monotonic() >= deadline_s:
                 raise self._refusal(profile, decision)
-        line.join(rid)
+        line.join(rid, time.monotonic())
         try:
-            if not await line.wait_turn(rid, deadline_s - time.monotonic()):
+            # Behind others, no longer than its TTFT budget lasts: past it, no place helps.
+            if not await line.wait_turn(rid, self._budget_s(profile, time.monotonic())):
                 raise self._refusal(profile, decision)
             while True:
                 decision = self._try_place(profile, replaced=False)
@@ -309,17 +310,19 @@ class PlanExecutor:
             return Hold("a planned worker left", self._config.hold_poll_s)
         return decision
 
+    def _budget_s(self, profile: RequestProfile, now_s: float) -> float:
+        """How much longer ``profile`` may wait for a place: the hold limit, and what is
+        left of its TTFT target."""
+        waited_s = max(0.0, now_s - profile.arrival_s)
+        budget_s = self._config.max_hold_s - waited_s
+        ttft_s = profile.slo.ttft_s or self._router.settings.default_slo.ttft_s
+        return budget_s if ttft_s is None else min(budget_s, ttft_s - waited_s)
+
     def _refuse_behind(self, line: HoldLine, profile: RequestProfile) -> None:
         """Refuse at once a request that would wait out its time behind the line."""
         now_s = time.monotonic()
         wait_s = line.expected_wait_s(now_s)
-        if wait_s is None:
-            return
-        ttft_s = profile.slo.ttft_s or self._router.settings.default_slo.ttft_s
-        budget_s = self._config.max_hold_s
-        if ttft_s is not None:
-            budget_s = min(budget_s, ttft_s - max(0.0, now_s - profile.arrival_s))
-        if wait_s > budget_s:
+        if wait_s is not None and wait_s > self._budget_s(profile, now_s):
             reason = "too many requests held ahead"
             self._metrics.rejections.labels(reason, profile.priority.value).inc()
             raise Overloaded(f"request rejected: {reason}", max(1.0, wait_s))

@@ -12,8 +12,10 @@ about 40 decisions per request, and goodput fell to a third of its peak). In the
   poll, however many wait;
 * a request that arrives while others wait joins the back, unless the line drains
   too slowly for it: with ``k`` ahead and the line's recent departure rate ``μ``
-  (placed or refused, over ``window_s``), it would wait about ``k / μ``; past its
-  remaining budget it is refused at once rather than after waiting its time out.
+  (placed or refused, over ``window_s``), it would wait about ``k / μ``, and at least
+  as long as the head has waited so far (its sojourn, the line's delay as it is now,
+  which also covers a line that has not moved lately); past its remaining budget it
+  is refused at once rather than after waiting its time out.
 
 Arrival order is kept: a request never takes the room the head is waiting for.
 """
@@ -31,6 +33,7 @@ class HoldLine:
         self.window_s = window_s
         self.min_departures = min_departures  # fewer in the window: no estimate yet
         self._line: OrderedDict[str, asyncio.Event] = OrderedDict()
+        self._head_since_s = 0.0  # when the present head became the head
         self._departures: deque[float] = deque()
 
     def __len__(self) -> int:
@@ -38,19 +41,21 @@ class HoldLine:
 
     def expected_wait_s(self, now_s: float) -> float | None:
         """How long a request joining now would wait to reach the head; None while the
-        line is empty or too few have left it lately to tell."""
+        line is empty."""
         if not self._line:
             return None
         self._trim(now_s)
+        head_s = max(0.0, now_s - self._head_since_s)
         if len(self._departures) < self.min_departures:
-            return None
+            return head_s
         rate_per_s = len(self._departures) / self.window_s
-        return len(self._line) / rate_per_s
+        return max(head_s, len(self._line) / rate_per_s)
 
-    def join(self, request_id: str) -> None:
+    def join(self, request_id: str, now_s: float) -> None:
         turn = asyncio.Event()
         if not self._line:
             turn.set()
+            self._head_since_s = now_s
         self._line[request_id] = turn
 
     async def wait_turn(self, request_id: str, timeout_s: float) -> bool:
@@ -73,6 +78,7 @@ class HoldLine:
         self._trim(now_s)
         if turn.is_set() and self._line:
             next(iter(self._line.values())).set()
+            self._head_since_s = now_s
 
     def _trim(self, now_s: float) -> None:
         horizon = now_s - self.window_s

@@ -75,13 +75,16 @@ async def test_only_the_head_of_the_line_asks_the_router_and_arrival_order_is_ke
 
 async def test_a_request_is_refused_at_once_when_the_line_cannot_serve_it_in_time() -> None:
     line = HoldLine(window_s=2.0, min_departures=2)
+    assert line.expected_wait_s(0.0) is None  # nobody waits
     for rid in ("a", "b", "c", "d"):
-        line.join(rid)
-    assert line.expected_wait_s(0.0) is None  # nobody has left yet: no estimate
+        line.join(rid, 0.0)
+    # Nobody has left yet: a newcomer waits at least as long as the head has so far.
+    assert line.expected_wait_s(0.3) == pytest.approx(0.3)
     line.leave("a", 0.5)
     line.leave("b", 1.0)  # 2 left in 2 s: 1 per second, 2 still waiting
     assert line.expected_wait_s(1.0) == pytest.approx(2.0)
-    assert line.expected_wait_s(3.6) is None  # those departures aged out of the window
+    # Those departures aged out of the window; "c" has been the head since 1.0 s.
+    assert line.expected_wait_s(3.6) == pytest.approx(2.6)
 
     executor, gate, _ = gated_executor(max_hold_s=1.0)
     first = asyncio.create_task(run_one(executor, "first"))
@@ -89,7 +92,7 @@ async def test_a_request_is_refused_at_once_when_the_line_cannot_serve_it_in_tim
     line = executor._hold_line
     line._departures.extend([time.monotonic()] * 2)  # 1 per s lately
     for rid in ("x", "y"):  # two more already waiting: ~3 s ahead of a newcomer
-        line.join(rid)
+        line.join(rid, time.monotonic())
     with pytest.raises(Overloaded, match="held ahead"):
         await run_one(executor, "late")
     gate.open = True
@@ -100,9 +103,8 @@ async def test_a_request_is_refused_at_once_when_the_line_cannot_serve_it_in_tim
 
 async def test_a_waiter_whose_time_runs_out_leaves_without_waking_the_others() -> None:
     line = HoldLine()
-    line.join("head")
-    line.join("second")
-    line.join("third")
+    for rid in ("head", "second", "third"):
+        line.join(rid, 0.0)
     assert await line.wait_turn("head", 0.0)
     assert not await line.wait_turn("third", 0.02)
     line.leave("third", 0.0)

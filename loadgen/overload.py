@@ -1,0 +1,80 @@
+"""Goodput past saturation, live: sweep open-loop rates to find where a server saturates,
+then offer multiples of that rate and see how much of the peak goodput it keeps.
+
+    sweep    rates r_1 < r_2 < ...: goodput at each (requests/s meeting the SLO); the
+             peak is the largest, and the saturation rate the lowest rate whose
+             goodput reaches 95% of it (past it, more traffic buys nothing)
+    over     each factor k: the same workload at k x the saturation rate; its goodput
+             as a fraction of the peak, and how fast its refusals were answered
+
+A server that admits what it cannot serve loses goodput past saturation (queues grow,
+admitted requests miss their targets); one that refuses early and cheaply keeps it.
+The runs go one after another on one server, each for ``duration_s`` of arrivals, with
+``settle_s`` between them so a run's tail does not fall into the next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from loadgen.arrivals import RateSpec
+from loadgen.client import BenchConfig, run_bench
+from loadgen.metrics import GoodputSLO
+from loadgen.scenario import WorkloadConfig
+
+__all__ = ["OverloadConfig", "run_overload"]
+
+_KEYS = (
+    "request_goodput",
+    "slo_attainment",
+    "completed",
+    "rejected",
+    "failed",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "median_tpot_ms",
+    "p99_rejection_ms",
+    "max_rejection_ms",
+)
+
+
+@dataclass(frozen=True)
+class OverloadConfig:
+    base_url: str
+    workload: WorkloadConfig
+    slo: GoodputSLO
+    rates: Sequence[float]  # the sweep, requests/s, ascending
+    factors: Sequence[float] = (2.0, 3.0)
+    duration_s: float = 10.0
+    settle_s: float = 3.0
+    bench: BenchConfig | None = None  # endpoint, tokenizer, ... (base_url and rate set here)
+
+
+def run_overload(
+    config: OverloadConfig, report: Callable[[dict[str, Any]], None] = lambda _: None
+) -> dict[str, Any]:
+    """The sweep, then each factor; ``report`` sees each run's row as it ends."""
+
+    def run(rate: float, phase: str) -> dict[str, Any]:
+        workload = replace(config.workload, duration_s=config.duration_s)
+        base = config.bench or BenchConfig(config.base_url)
+        bench = replace(
+            base, base_url=config.base_url, workload=workload, rate=RateSpec(rate), slo=config.slo
+        )
+        summary = run_bench(bench).summary
+        row = {"phase": phase, "rate": rate} | {k: summary.get(k) for k in _KEYS}
+        report(row)
+        time.sleep(config.settle_s)
+        return row
+
+    sweep = [run(rate, "sweep") for rate in config.rates]
+    peak = max(row["request_goodput"] for row in sweep)
+    saturation = min(row["rate"] for row in sweep if row["request_goodput"] >= 0.95 * peak)
+    over = [run(k * saturation, f"{k:g}x") for k in config.factors]
+    for row, k in zip(over, config.factors, strict=True):
+        row["factor"] = k
+        row["of_peak"] = row["request_goodput"] / peak if peak else 0.0
+    return {"peak_goodput": peak, "saturation_rate": saturation, "sweep": sweep, "over": over}
