@@ -16,6 +16,7 @@ The runs go one after another on one server, each for ``duration_s`` of arrivals
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -64,8 +65,9 @@ def run_overload(
         bench = replace(
             base, base_url=config.base_url, workload=workload, rate=RateSpec(rate), slo=config.slo
         )
-        summary = run_bench(bench).summary
-        row = {"phase": phase, "rate": rate} | {k: summary.get(k) for k in _KEYS}
+        result = run_bench(bench)
+        row = {"phase": phase, "rate": rate} | {k: result.summary.get(k) for k in _KEYS}
+        row["errors"] = dict(Counter(r.error for r in result.records if not r.success))
         report(row)
         time.sleep(config.settle_s)
         return row

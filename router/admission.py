@@ -8,8 +8,8 @@ before anything is reserved or queued, when
 * the request's age plus its corrected TTFT passes ``headroom × TTFT target`` (the
   corrected TTFT is at least how long the oldest request placed on the same prefill
   worker has waited for its first token so far: the queue as it is now), or
-* its decode worker's corrected TPOT (at least the worker's recent step time while it
-  runs requests) passes ``headroom × TPOT target``,
+* its decode worker, while it runs requests, would step slower than ``headroom ×
+  TPOT target``: by its corrected prediction, or by its recent steps as they are,
 
 where ``headroom`` is 1 for ``interactive`` and ``batch_headroom`` (< 1) for ``batch``
 requests: as a worker slows, batch requests are refused first, and interactive ones
@@ -75,10 +75,15 @@ class Admission:
                 return self._refuse("predicted ttft miss", corrected_ttft_s)
         if plan.predicted_tpot_s is not None and tpot_target_s is not None:
             decode = plan.decode_worker or plan.prefill_worker
-            corrected_tpot_s = self.corrector.tpot_s(decode, plan.predicted_tpot_s, now_s)
-            # Likewise, its steps as they run now: a batch that contention has slowed
-            # past the target takes no one more until it is back within it.
-            corrected_tpot_s = max(corrected_tpot_s, step_s)
+            corrected_tpot_s = plan.predicted_tpot_s
+            # Only a busy decode worker is judged by what it taught and by its steps as
+            # they run now: a batch that has slowed past the target takes no one more
+            # until it is back within it. An idle one takes the request on the plan's
+            # own prediction: what it taught under load says little of its speed
+            # alone, and refusing it would leave it idle, teaching nothing, for good.
+            if step_s > 0.0:
+                corrected_tpot_s = self.corrector.tpot_s(decode, corrected_tpot_s, now_s)
+                corrected_tpot_s = max(corrected_tpot_s, step_s)
             if corrected_tpot_s > headroom * tpot_target_s:
                 return self._refuse("predicted tpot miss", corrected_ttft_s)
         return None

@@ -74,9 +74,19 @@ def test_batch_is_shed_first_then_interactive_as_the_worker_slows() -> None:
     assert refused.retry_after_s >= 1.0 and r.num_reservations() == 1  # only "i" holds room
 
 
-def test_a_slow_decode_worker_refuses_by_tpot() -> None:
+def busy(r: Router, step_s: float) -> None:
+    """``d`` runs a request and its last decode steps took ``step_s``."""
+    steps = tuple(StepSample(step_s, 0, 8, 800, end_s=float(i)) for i in range(4))
+    running = (RunningRequest(100, 5, 16),)
+    report = snapshot("d", Role.DECODE, 2, running=running)
+    r.update(dataclasses.replace(report, recent_steps=steps))
+
+
+def test_a_slow_decode_worker_refuses_by_tpot_while_busy_and_takes_one_when_idle() -> None:
     r = build(FakePredictingPolicy(tpot_s=0.05))
     teach(r, tpot_factor=3.0)
+    assert isinstance(ask(r, "idle"), Plan)  # alone it would show its speed: admitted
+    busy(r, 0.05)  # its steps are quick just now, but it taught 3x: 0.15 s > 0.1 s
     refused = ask(r, "i")
     assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
 
@@ -125,11 +135,11 @@ def test_a_worker_refused_while_it_was_slow_is_tried_again_once_that_has_aged_ou
     """Refusing everything, a worker teaches nothing new: what it taught while slow must
     not keep it refused for good (a live 2 prefill + 2 decode cluster refused every
     request, even at a quarter of its capacity, after one slow spell)."""
-    r = build(FakePredictingPolicy(tpot_s=0.05))
+    r = build(FakePredictingPolicy(ttft_s=0.5))
     for i in range(12):
-        r.observe_outcome(10, Outcome("p", "d", 0.5, 0.5, 0.05, 0.15, at_s=float(i)))
+        r.observe_outcome(10, Outcome("p", "d", 0.5, 1.5, 0.05, 0.05, at_s=float(i)))
     late = RequestProfile("i", 100, 100, 16, arrival_s=12.0)
-    assert isinstance(r.place(late, 12.0), Reject)  # 3x slower decodes: a TPOT miss
+    assert isinstance(r.place(late, 12.0), Reject)  # 3x slower prefills: a TTFT miss
     max_age_s = r.corrector.settings.max_age_s
     later = RequestProfile("j", 100, 100, 16, arrival_s=12.0 + max_age_s)
     assert isinstance(r.place(later, 12.0 + max_age_s), Plan)
@@ -140,12 +150,11 @@ def test_a_decode_worker_whose_steps_run_past_tpot_takes_no_one_more_until_idle(
     took 0.3 s (contention) while it runs requests: over the 0.1 s TPOT target, so it
     refuses. Once it runs nothing, those old steps say nothing of the next one."""
     r = build(FakePredictingPolicy(tpot_s=0.05))
-    slow = tuple(StepSample(0.3, 0, 8, 800, end_s=float(i)) for i in range(4))
-    one = (RunningRequest(100, 5, 16),)
-    r.update(dataclasses.replace(snapshot("d", Role.DECODE, 2, running=one), recent_steps=slow))
+    busy(r, 0.3)
     assert r.recent_step_s("d") == 0.3 and r.recent_step_s("p") == 0.0
     refused = ask(r, "i")
     assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
+    slow = r.reports()["d"].recent_steps
     r.update(dataclasses.replace(snapshot("d", Role.DECODE, 3), recent_steps=slow))
     assert r.recent_step_s("d") == 0.0
     assert isinstance(ask(r, "j"), Plan)
