@@ -77,15 +77,41 @@ def run_server(
             start_s = wait_until_serving(
                 base_url, proc, args.start_timeout, path="/v1/models", poll_s=1.0
             )
+            cpu_before = tree_cpu_s(proc.pid)
             summary = bench(base_url, folder, args)
+            cpu_s = tree_cpu_s(proc.pid) - cpu_before
         finally:
             stop(proc, grace_s=60)
     return {
         "server": label,
         "startup_s": round(start_s, 1),
         **_pick(summary),
+        # CPU seconds the server's processes (all descendants) used during the load, per
+        # output token: other processes' load inflates it far less than the wall-clock rates.
+        "server_cpu_s": round(cpu_s, 1),
+        "cpu_ms_per_output_token": round(1e3 * cpu_s / max(summary["total_output_tokens"], 1), 2),
         "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and every live descendant (Ray's raylet and
+    workers, vLLM's engine core)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 def workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -11,7 +11,8 @@ heads, float32) in a temp folder, then, one server at a time on this machine:
 each with the same number of CPU threads (see ``--vllm-bind``) and loaded by ``baton bench`` (completions,
 closed loop, concurrency 16, 64 requests, 128 prompt / 64 output tokens). Prints one
 JSON object per line (output tokens/s, TTFT and TPOT in ms), then a summary with
-Baton's ratios against the vLLM server of the same run. Targets: output throughput
+Baton's ratios against the vLLM server of the same run, and each server's CPU seconds
+(all its processes) per output token during the load. Targets: output throughput
 >= 1.0x vLLM's (moonshot 1.3x) and median TPOT <= vLLM's. On a shared machine only
 the ratios mean anything.
 
@@ -116,6 +117,11 @@ def main(argv: list[str] | None = None) -> None:
         "tpot_p50_ratio": round(baton["tpot_p50_ms"] / base["tpot_p50_ms"], 3),
         "tpot_target": "<= 1.0",
         "ttft_p50_ratio": round(baton["ttft_p50_ms"] / base["ttft_p50_ms"], 3),
+        # Server CPU per output token, Baton over vLLM (< 1: Baton spends less). Less
+        # sensitive to other processes' load than the wall-clock ratios above.
+        "cpu_per_token_ratio": round(
+            baton["cpu_ms_per_output_token"] / base["cpu_ms_per_output_token"], 3
+        ),
         "logs": str(work),
     }
     print(json.dumps(summary), flush=True)

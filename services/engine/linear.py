@@ -10,6 +10,13 @@ dict, tied embeddings and the Hugging Face export are unchanged; it costs one mo
 copy of the linear weights in memory (``engine.packed_linears: false`` turns it off).
 Results differ from ``F.linear`` only in float rounding (a different summation order).
 
+Packed calls also fuse the elementwise work around a product into it (oneDNN post-ops):
+``linear_add`` adds the residual, and ``silu_mul`` runs a ``GatedLinear`` ([gate; up]
+fused along the output) as two packed halves, silu on the gate's output and the product
+with the up half fused in. At prefill the separate passes over [tokens, 2 x intermediate]
+cost a fifth of the MLP (2048 tokens x 768 -> 2x2048 -> 768, one AVX-512 thread: 120 ms
+-> 96 ms a layer); at decode it is even.
+
 Only weights of at least ``MIN_PACKED_ELEMENTS`` are packed: a packed call costs
 about 20 us more than ``F.linear`` before it does any arithmetic, which is most of
 a small layer's time (the built-in tiny model's 64-wide layers: 25 us packed
@@ -22,9 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_PACKED_ELEMENTS", "can_pack", "linear", "pack_linears"]
+__all__ = [
+    "MIN_PACKED_ELEMENTS",
+    "GatedLinear",
+    "can_pack",
+    "linear",
+    "linear_add",
+    "pack_linears",
+    "silu_mul",
+]
 
 _PACKED = "packed_weight"
+_PACKED_HALVES = "packed_halves"
 # 512 x 512: from here on the blocked layout repays its fixed cost at a few rows.
 MIN_PACKED_ELEMENTS = 2**18
 
@@ -37,6 +53,29 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
 
 
+def linear_add(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x, layer)``, the sum fused into the packed product."""
+    packed = layer.__dict__.get(_PACKED)
+    if packed is None:
+        return residual + F.linear(x, layer.weight, layer.bias)
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, layer.bias, "add")
+
+
+class GatedLinear(nn.Linear):
+    """A [gate; up] projection fused along the output dim (no bias), for ``silu_mul``."""
+
+
+def silu_mul(x: torch.Tensor, layer: GatedLinear) -> torch.Tensor:
+    """``silu(gate) * up`` of ``layer``'s two output halves."""
+    halves = layer.__dict__.get(_PACKED_HALVES)
+    if halves is None:
+        gate, up = linear(x, layer).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    packed_gate, packed_up = halves
+    gate = torch.ops.mkldnn._linear_pointwise(x, packed_gate, None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, packed_up, None, "mul")
+
+
 def can_pack(model: nn.Module) -> bool:
     """Float32 weights on a CPU, and a torch built with oneDNN's packed linear."""
     weight = next(model.parameters())
@@ -45,6 +84,7 @@ def can_pack(model: nn.Module) -> bool:
         and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn._linear_pointwise, "binary")
     )
 
 
@@ -54,12 +94,19 @@ def pack_linears(
 ) -> int:
     """Pack every ``nn.Linear`` of ``model`` whose weight has at least ``min_elements``
     (call again after changing its weights); returns how many were packed."""
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+
     num_packed = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.numel() >= min_elements:
-            packed = torch.ops.mkldnn._reorder_linear_weight(
-                module.weight.detach(), batch_size_hint
-            )
-            module.__dict__[_PACKED] = packed
-            num_packed += 1
+        if not isinstance(module, nn.Linear) or module.weight.numel() < min_elements:
+            continue
+        if isinstance(module, GatedLinear) and module.bias is None:
+            # Its halves instead of the whole: silu_mul is its only caller.
+            gate, up = module.weight.chunk(2, dim=0)
+            module.__dict__[_PACKED_HALVES] = (pack(gate.contiguous()), pack(up.contiguous()))
+        else:
+            module.__dict__[_PACKED] = pack(module.weight)
+        num_packed += 1
     return num_packed

@@ -19,7 +19,7 @@ from torch import nn
 from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
 from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
-from services.engine.linear import linear
+from services.engine.linear import GatedLinear, linear, linear_add, silu_mul
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -125,7 +125,9 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         pool: PoolView,
         meta: AttentionMetadata,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
+        """``residual`` plus this layer's attention output."""
         num_tokens, h = x.shape[0], self.num_heads
         qkv = linear(x, self.qkv_proj)
         # q and k heads side by side, so RoPE runs once over both.
@@ -137,18 +139,18 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *cos_sin)
         write_kv(pool, self.layer_idx, meta, qk[:, h:], v)
         o = paged_attention(qk[:, :h], qk[:, h:], v, pool, self.layer_idx, meta, self.scale)
-        return linear(o, self.o_proj)
+        return linear_add(o, self.o_proj, residual)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.gate_up_proj = GatedLinear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` plus this MLP's output."""
+        return linear_add(silu_mul(x, self.gate_up_proj), self.down_proj, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -168,9 +170,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = rms_norm(x, self.input_layernorm.weight, self.eps)
-        x = x + self.self_attn.forward(h, cos_sin, pool, meta)
+        x = self.self_attn.forward(h, cos_sin, pool, meta, residual=x)
         h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
-        return x + self.mlp.forward(h)
+        return self.mlp.forward(h, residual=x)
 
 
 class DecoderStack(nn.Module):

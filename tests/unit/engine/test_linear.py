@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.linear import MIN_PACKED_ELEMENTS, can_pack, linear, pack_linears
+from services.engine.linear import (
+    MIN_PACKED_ELEMENTS,
+    GatedLinear,
+    can_pack,
+    linear,
+    linear_add,
+    pack_linears,
+    silu_mul,
+)
 
 
 def test_a_packed_layer_computes_f_linear_for_any_number_of_rows() -> None:
@@ -65,3 +73,28 @@ def test_the_engine_packs_only_when_its_config_says_so(monkeypatch: pytest.Monke
     )
     assert "lm_head" in packed(make_engine("tiny"))
     assert packed(make_engine("tiny", packed_linears=False)) == []
+
+
+def test_fused_residual_and_gated_products_equal_the_plain_ops() -> None:
+    """linear_add and silu_mul through packed weights (post-ops fused) compute the same
+    values as the unpacked ops, and a gated layer packs as two halves."""
+    torch.manual_seed(0)
+    proj = nn.Linear(64, 48, bias=True)
+    gated = GatedLinear(64, 2 * 40, bias=False)
+    model = nn.ModuleList([proj, gated])
+    if not can_pack(model):
+        pytest.skip("this torch has no oneDNN packed linear")
+    for num_rows in (1, 7, 300):
+        x, residual = torch.randn(num_rows, 64), torch.randn(num_rows, 48)
+        gate, up = F.linear(x, gated.weight).chunk(2, dim=-1)
+        want_gated = F.silu(gate) * up
+        want_add = residual + F.linear(x, proj.weight, proj.bias)
+        torch.testing.assert_close(silu_mul(x, gated), want_gated)  # unpacked path
+        torch.testing.assert_close(linear_add(x, proj, residual), want_add)
+        assert pack_linears(model, batch_size_hint=16, min_elements=0) == 2
+        assert "packed_halves" in gated.__dict__ and "packed_weight" not in gated.__dict__
+        torch.testing.assert_close(silu_mul(x, gated), want_gated, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear_add(x, proj, residual), want_add, rtol=1e-5, atol=1e-5)
+        for m in model:
+            m.__dict__.pop("packed_halves", None)
+            m.__dict__.pop("packed_weight", None)
