@@ -293,11 +293,15 @@ class SloGoodput:
 
         # Colocated: the same checks without a transfer, priced with the decodes it stalls.
         # Its chunks slow every running sequence's steps: those must stay within TPOT too.
+        # A chunk holds what is queued there and this prompt, never more than the budget
+        # (a full budget's chunk for a 3-token prompt refused 64 of them on an idle worker).
+        unused = t.chunk_tokens - np.minimum(t.chunk_tokens, t.queued_tokens + n)
+        chunked_step_s = t.chunked_step_s - t.chunk_s_per_token * unused
         ok = (
             coloc_ok
             & decodable
             & (ttft_local <= budget_s)
-            & (t.chunked_step_s <= tpot_limit_s)
+            & (chunked_step_s <= tpot_limit_s)
             & self._may_colocate(t, is_long)
         )
         if ok.any():

@@ -416,3 +416,21 @@ def test_colocated_prefill_is_priced_in_chunks_and_must_keep_running_decodes_in_
     # sequence would miss TPOT, so colocation is refused and nothing is feasible.
     refused = pol.plan(request(PROMPT), cluster(512), 0.0)
     assert isinstance(refused, Reject)
+
+
+def test_a_fitted_negative_prefill_slope_never_prices_a_chunk_below_the_decode_step() -> None:
+    # Steps seen on m where the longer prefill ran faster (a loaded CPU) fit a negative
+    # per-token slope; priced with it, a 500-token chunk would shorten m's steps and
+    # colocation would look as if it kept the running sequences within TPOT.
+    pol = policy(colocate_roles=(Role.MIXED,))
+    for k in range(63):
+        n, duration_s = ((16, 0.02), (256, 0.005), (512, 0.004))[k % 3]
+        pol.observe_step("m", StepSample(duration_s, n, 0, 0, end_s=float(k)))
+    assert pol.cost_model("m").prefill_coeffs.b < 0
+    mixed = replace(worker("m", Role.MIXED, busy(10, 100)), prefill_budget_tokens=512)
+    v = view(
+        worker("p", Role.PREFILL, bandwidth=1e7),
+        worker("d", Role.DECODE, busy(10, 100), bandwidth=1e7),
+        mixed,
+    )
+    assert isinstance(pol.plan(request(PROMPT), v, 0.0), Reject)
