@@ -32,7 +32,8 @@ class Outcome:
     """One finished request: its plan's predictions and what was measured.
 
     TTFT counts from the plan's placement to the first token; TPOT is the mean time
-    between the request's later tokens (None with fewer than two tokens)."""
+    per token after the second token arrived, the decode steps the plan predicts (the
+    gap before it is the KV hand-off); None when no token came after that."""
 
     prefill_worker: str
     decode_worker: str  # the prefill worker's id when colocated

@@ -3,8 +3,20 @@
 Every finished pull reports its bytes and how long it took. A link's cost is
 ``latency_s + num_bytes / bandwidth_bytes_per_s``; ``LinkFit`` fits both by least
 squares over the last ``window`` transfers it saw. With too few transfers, or all
-of nearly one size (no slope to fit), it keeps the seed latency and measures only
-the bandwidth: ``Σ bytes / Σ (duration − latency)``.
+of nearly one size (no slope to fit), one of the two is measured and the other kept
+from the seed, the one the seed says those transfers were mostly made of:
+
+* bytes that the seed's bandwidth moves in more than its latency (wire time
+  dominates): the seed latency is kept and the bandwidth measured,
+  ``Σ bytes / Σ (duration − latency)``;
+* smaller ones (fixed cost dominates): the seed bandwidth is kept and the latency
+  measured, ``mean(duration − bytes / bandwidth)``. Measuring bandwidth from them
+  would charge a transfer's fixed costs (RPCs, notifications, a first connection) to
+  its few bytes, and extrapolate them to every larger transfer: one 8 KB pull of a
+  tiny model that took 0.2 s priced 256 prompt tokens at 3.2 s and refused every
+  long prompt of a tiny cluster, and with no transfer placed the estimate never
+  moved again. Priced by the latency, larger transfers are placed and their sizes
+  give the slope.
 
 ``Router`` keeps one fit per worker and folds every transfer into both ends, so a
 worker's figure is what its NIC achieved; a pair is priced by its slower end.
@@ -80,6 +92,12 @@ class LinkFit:
             latency_s = mean_d - slope * mean_b
             if slope > 0 and latency_s >= 0:
                 return TransferCoeffs(bandwidth_bytes_per_s=1.0 / slope, latency_s=latency_s)
-        latency_s = min(self._seed.latency_s, min(t.duration_s for t in self._recent))
+        seed = self._seed
+        if mean_b / seed.bandwidth_bytes_per_s < seed.latency_s:  # mostly fixed cost
+            latency_s = max(0.0, mean_d - mean_b / seed.bandwidth_bytes_per_s)
+            return TransferCoeffs(
+                bandwidth_bytes_per_s=seed.bandwidth_bytes_per_s, latency_s=latency_s
+            )
+        latency_s = min(seed.latency_s, min(t.duration_s for t in self._recent))
         wire_s = sum(max(t.duration_s - latency_s, _MIN_WIRE_S) for t in self._recent)
         return TransferCoeffs(bandwidth_bytes_per_s=sum_b / wire_s, latency_s=latency_s)

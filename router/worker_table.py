@@ -84,6 +84,8 @@ class WorkerTable:
         self.block_size = np.ones(n)
         self.step_base_s, self.step_per_token_s = zeros(), zeros()
         self.chunked_step_s = zeros()  # a step that also carries a full prefill chunk
+        self.chunk_tokens = zeros()  # that full chunk (0: this worker runs no chunks)
+        self.chunk_s_per_token = zeros()  # what each chunk token adds to such a step
         self.num_running, self.max_num_seqs = zeros(), zeros()
         self.held_tokens, self.peak_tokens = zeros(), zeros()
         self.inbound_tokens = zeros()  # KV placed to decode here, not yet running here
@@ -172,9 +174,15 @@ class WorkerTable:
         # every step the running sequences wait on; 0 where the budget is unknown.
         chunk = max(0, w.prefill_budget_tokens - num_running - 1)
         prefill = model.prefill_coeffs
+        # A fit from few mixed steps can make the slope negative: a chunk never makes a
+        # step shorter.
+        per_token_s = max(0.0, prefill.b) * p_margin
+        chunks = bool(chunk) and w.role is not Role.PREFILL
+        self.chunk_tokens[i] = chunk if chunks else 0
+        self.chunk_s_per_token[i] = per_token_s if chunks else 0.0
         self.chunked_step_s[i] = (
-            self.step_base_s[i] + (max(0.0, prefill.a - dec.a) + prefill.b * chunk) * p_margin
-            if chunk and w.role is not Role.PREFILL
+            self.step_base_s[i] + max(0.0, prefill.a - dec.a) * p_margin + per_token_s * chunk
+            if chunks
             else 0.0
         )
         self.num_running[i] = num_running

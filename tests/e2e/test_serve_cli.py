@@ -39,6 +39,19 @@ def test_make_serve_config_answers_a_chat_completion() -> None:
         assert body["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_a_fan_out_of_64_sequences_fits_one_idle_colocated_worker_under_the_defaults() -> None:
+    """4 prompts x n=16 on one colocated tiny worker, slo_goodput with TTFT 2 s / TPOT
+    200 ms (the defaults): a 429 while the router priced every colocated step as
+    carrying a full 2047-token prefill chunk (0.227 s) where the chunk was 3 tokens."""
+    args = ["--model", "tiny", "--mode", "colocated", "--prefill", "1", "--decode", "0"]
+    args += ["--worker-cpus", "0", "--log-level", "warning"]
+    with baton_serve(args, serve_env(), ready_s=180) as base:
+        fan_out = {"model": "tiny", "prompt": ["hi there"] * 4, "n": 16, "max_tokens": 8}
+        r = httpx.post(f"{base}/v1/completions", json=fan_out, timeout=120)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 64
+
+
 def _readable(path: Path) -> bool:
     try:
         path.read_bytes()

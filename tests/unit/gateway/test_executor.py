@@ -322,3 +322,21 @@ async def test_a_finished_request_teaches_the_router_its_workers_observed_speed(
     assert outcome.observed_ttft_s is not None and outcome.observed_ttft_s > 1e-6
     assert outcome.observed_tpot_s is not None and outcome.observed_tpot_s > 0
     assert router.corrector.ttft_s("p", 1e-6) > 1e-6
+
+
+def test_observed_tpot_counts_decode_steps_not_the_hand_off() -> None:
+    """The plan predicts TPOT as one decode step; the hand-off (KV pull, adopt) before the
+    second token is the transfer's. A 2-token request has no decode step to report."""
+    from router.types import Plan
+    from services.gateway.executor import _Trace
+
+    plan = Plan("p", "d", predicted_ttft_s=0.01, predicted_tpot_s=0.001)
+    trace = _Trace(plan=plan, placed_s=0.0)
+    trace.saw_tokens(0.01, 1)  # first token, from the prefill worker
+    trace.saw_tokens(1.01, 2)  # after a 1 s hand-off
+    two = trace.outcome()
+    assert two is not None and two.observed_tpot_s is None
+    trace.saw_tokens(1.03, 4)  # one delta with two tokens
+    outcome = trace.outcome()
+    assert outcome is not None and outcome.observed_tpot_s == pytest.approx(0.01)
+    assert outcome.observed_ttft_s == pytest.approx(0.01)

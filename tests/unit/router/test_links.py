@@ -34,3 +34,16 @@ def test_only_the_window_counts() -> None:
     for _ in range(4):
         fit.observe(1_000_000, 0.001 + 1e6 / 1e8)  # ... that recovered
     assert fit.estimate.bandwidth_bytes_per_s == pytest.approx(1e8)
+
+
+def test_small_transfers_measure_latency_not_bandwidth() -> None:
+    # The tiny model's 16-token pull (8 KB) took 0.2 s, its first connection included: the
+    # seed moves 8 KB in 8 us, far under its 1 ms latency, so the 0.2 s is fixed cost. As
+    # bandwidth (40 KB/s) it priced a 256-token pull at 3.2 s, past a 2 s TTFT target.
+    fit = LinkFit(SEED)
+    fit.observe(8192, 0.2)
+    assert fit.estimate.bandwidth_bytes_per_s == SEED.bandwidth_bytes_per_s
+    assert fit.estimate.latency_s == pytest.approx(0.2 - 8192 / 1e9)
+    for _ in range(3):
+        fit.observe(8192, 0.01)
+    assert fit.estimate.latency_s == pytest.approx((0.2 + 3 * 0.01) / 4 - 8192 / 1e9)

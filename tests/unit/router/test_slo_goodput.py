@@ -63,20 +63,21 @@ def test_rejects_early_when_ttft_is_unreachable() -> None:
     assert result.retry_after_s >= 1.0
 
 
-def test_prefers_the_fullest_feasible_decode_worker_and_prices_it_exactly() -> None:
+def test_prefers_the_emptiest_feasible_decode_worker_and_prices_it_exactly() -> None:
     v = view(
         worker("p", Role.PREFILL),
-        worker("d_light", Role.DECODE, busy(2, 2000)),  # peak 4198
         worker("d_half", Role.DECODE, busy(6, 1500)),  # peak 9594
+        worker("d_light", Role.DECODE, busy(2, 2000)),  # peak 4198
         worker("d_over", Role.DECODE, busy(9, 1600)),  # peak 15291: over the limit
     )
-    assert plan_of(policy().plan(request(PROMPT), v, 0.0)).decode_worker == "d_half"
-    # Fuller still, past the cheap bound (peak + c_q + r_q >= 15200) so priced exactly:
-    # d_fails: r=60, peak 14660; with the candidate 2·60 + 15100 = 15220 -> over.
-    # d_fits:  r=1,  peak 14651; with the candidate 2·1 + 15150 = 15152 -> fits.
+    assert plan_of(policy().plan(request(PROMPT), v, 0.0)).decode_worker == "d_light"
+    # Both nearly full, past the cheap bound (peak + c_q + r_q >= limit) so priced exactly:
+    # d_fails: r=99, peak 14599 of 15188 (0.961); with the candidate 2·99 + 15000 = 15198 -> over.
+    # d_fits:  r=1,  peak 14651 of 15194 (0.964); with the candidate 2·1 + 15150 = 15152 -> fits.
     v2 = view(
-        *v.workers,
-        worker("d_fails", Role.DECODE, busy(1, 14_600, generated=39)),
+        worker("p", Role.PREFILL),
+        worker("d_over", Role.DECODE, busy(9, 1600)),
+        worker("d_fails", Role.DECODE, busy(1, 14_500)),
         worker("d_fits", Role.DECODE, busy(1, 14_650, generated=98)),
     )
     assert plan_of(policy().plan(request(PROMPT), v2, 0.0)).decode_worker == "d_fits"
@@ -361,7 +362,7 @@ def test_never_picks_an_infeasible_pair_while_a_feasible_one_exists(
         return
     plan = plan_of(result)
     assert plan.decode_worker in feasible
-    assert facts[plan.decode_worker][1] == pytest.approx(max(facts[d][1] for d in feasible))
+    assert facts[plan.decode_worker][1] == pytest.approx(min(facts[d][1] for d in feasible))
     assert plan.predicted_ttft_s == pytest.approx(ttft)
 
 
@@ -415,3 +416,21 @@ def test_colocated_prefill_is_priced_in_chunks_and_must_keep_running_decodes_in_
     # sequence would miss TPOT, so colocation is refused and nothing is feasible.
     refused = pol.plan(request(PROMPT), cluster(512), 0.0)
     assert isinstance(refused, Reject)
+
+
+def test_a_fitted_negative_prefill_slope_never_prices_a_chunk_below_the_decode_step() -> None:
+    # Steps seen on m where the longer prefill ran faster (a loaded CPU) fit a negative
+    # per-token slope; priced with it, a 500-token chunk would shorten m's steps and
+    # colocation would look as if it kept the running sequences within TPOT.
+    pol = policy(colocate_roles=(Role.MIXED,))
+    for k in range(63):
+        n, duration_s = ((16, 0.02), (256, 0.005), (512, 0.004))[k % 3]
+        pol.observe_step("m", StepSample(duration_s, n, 0, 0, end_s=float(k)))
+    assert pol.cost_model("m").prefill_coeffs.b < 0
+    mixed = replace(worker("m", Role.MIXED, busy(10, 100)), prefill_budget_tokens=512)
+    v = view(
+        worker("p", Role.PREFILL, bandwidth=1e7),
+        worker("d", Role.DECODE, busy(10, 100), bandwidth=1e7),
+        mixed,
+    )
+    assert isinstance(pol.plan(request(PROMPT), v, 0.0), Reject)
