@@ -224,8 +224,12 @@ class CostModel:
     ref_tokens: float = 512.0
     ref_seqs: float = 32.0
     ref_context: float = 32.0 * 1024.0
-    _x: deque[list[float]] = field(init=False, repr=False)
-    _y: deque[float] = field(init=False, repr=False)
+    # The window as a ring: row ``_head`` is the oldest once ``num_kept == window``.
+    _x: np.ndarray = field(init=False, repr=False)
+    _y: np.ndarray = field(init=False, repr=False)
+    _head: int = field(default=0, init=False, repr=False)
+    num_kept: int = field(default=0, init=False, repr=False)
+    _weights: np.ndarray | None = field(default=None, init=False, repr=False)
     _theta: np.ndarray = field(init=False, repr=False)
     _theta0: np.ndarray = field(init=False, repr=False)
     _coeffs: tuple[QuadCoeffs, QuadCoeffs] = field(init=False, repr=False)
@@ -238,8 +242,8 @@ class CostModel:
         p, d = self.profile.prefill, self.profile.decode
         self._theta0 = np.array([p.a, p.b, p.c, d.a, d.b, d.c], dtype=np.float64)
         self._set_theta(self._theta0.copy())
-        self._x = deque(maxlen=self.window)
-        self._y = deque(maxlen=self.window)
+        self._x = np.empty((self.window, _NUM_FEATURES))
+        self._y = np.empty(self.window)
         self._prefill_err = _RollingMean(self.error_window)
         self._decode_err = _RollingMean(self.error_window)
 
@@ -259,8 +263,14 @@ class CostModel:
             self._prefill_err.add(rel_error)
         else:
             self._decode_err.add(rel_error)
-        self._x.append(x)
-        self._y.append(sample.duration_s)
+        if self.num_kept < self.window:
+            row = self.num_kept
+            self.num_kept += 1
+        else:
+            row = self._head
+            self._head = (row + 1) % self.window
+        self._x[row] = x
+        self._y[row] = sample.duration_s
         self.num_samples += 1
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
@@ -274,11 +284,16 @@ class CostModel:
         The prior penalises each term's change at the reference point relative to
         the curve's time there, ``prior_weight`` steps' worth."""
         self._since_fit = 0
-        if not self._y:
+        kept = self.num_kept
+        if not kept:
             return
-        x = np.asarray(self._x, dtype=np.float64)
-        y = np.asarray(self._y, dtype=np.float64)
-        weights = self.decay ** np.arange(len(y) - 1, -1, -1, dtype=np.float64) / (y * y)
+        if kept < self.window:
+            x, y = self._x[:kept], self._y[:kept]
+        else:  # oldest first, as the steps came
+            head = self._head
+            x = np.concatenate((self._x[head:], self._x[:head]))
+            y = np.concatenate((self._y[head:], self._y[:head]))
+        weights = self._decay_weights(kept) / (y * y)
         ref = np.array(
             [1.0, self.ref_tokens, self.ref_tokens**2, 1.0, self.ref_seqs, self.ref_context]
         )
@@ -291,6 +306,16 @@ class CostModel:
         gram = xw.T @ xs + np.diag(prior)
         rhs = xw.T @ y + prior * at_ref
         self._set_theta(np.linalg.solve(gram, rhs) / ref)
+
+    def _decay_weights(self, num_steps: int) -> np.ndarray:
+        """``decay**k`` for the steps oldest first (k steps old), kept for a full window."""
+        cached = self._weights
+        if cached is not None and len(cached) == num_steps:
+            return cached
+        weights = self.decay ** np.arange(num_steps - 1, -1, -1, dtype=np.float64)
+        if num_steps == self.window:
+            self._weights = weights
+        return weights
 
     # -- reading -----------------------------------------------------------------------
 

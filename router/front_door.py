@@ -505,32 +505,42 @@ class Router:
 
     def _worker_view(self, wid: str, w: _Worker) -> WorkerView:
         s = w.report
-        classify = self.classifier.classify
-        queued_tokens = {LengthClass.SHORT: 0, LengthClass.LONG: 0}
-        queued_requests = {LengthClass.SHORT: 0, LengthClass.LONG: 0}
+        theta = self.classifier.threshold_tokens  # classify(n): short iff n < θ
+        short_tokens = long_tokens = num_short = num_long = 0
         for n in s.waiting_prompt_lens:
-            cls = classify(n)
-            queued_tokens[cls] += n
-            queued_requests[cls] += 1
-        running = list(s.running)
+            if n < theta:
+                short_tokens += n
+                num_short += 1
+            else:
+                long_tokens += n
+                num_long += 1
+        queued_tokens = {LengthClass.SHORT: short_tokens, LengthClass.LONG: long_tokens}
+        queued_requests = {LengthClass.SHORT: num_short, LengthClass.LONG: num_long}
+        running = s.running
         num_free_blocks = s.num_free_blocks
         link = self._published_links.get(wid)
         reserved = self._by_worker.get(wid, ())
         inbound_tokens = 0
-        for rid in reserved:
-            r = self._reservations[rid]
-            if r.plan.prefill_worker == wid:
-                queued_tokens[r.length_class] += r.prefill_tokens
-                queued_requests[r.length_class] += 1
-            if r.plan.encode_worker == wid or r.encode_tokens:  # an encode queue: image tokens
-                share = r.image_tokens if r.encode_tokens is None else r.encode_tokens.get(wid, 0)
-                queued_tokens[LengthClass.SHORT] += share
-                queued_requests[LengthClass.SHORT] += 1 if share else 0
-            if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
-                num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
-                running.append(RunningRequest(r.held_tokens, 0, r.max_tokens))
-                if r.plan.prefill_worker != wid:  # its KV comes over this worker's link
-                    inbound_tokens += r.held_tokens
+        if reserved:
+            added: list[RunningRequest] = []
+            for rid in reserved:
+                r = self._reservations[rid]
+                if r.plan.prefill_worker == wid:
+                    queued_tokens[r.length_class] += r.prefill_tokens
+                    queued_requests[r.length_class] += 1
+                if r.plan.encode_worker == wid or r.encode_tokens:  # an encode queue: images
+                    share = (
+                        r.image_tokens if r.encode_tokens is None else r.encode_tokens.get(wid, 0)
+                    )
+                    queued_tokens[LengthClass.SHORT] += share
+                    queued_requests[LengthClass.SHORT] += 1 if share else 0
+                if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
+                    num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
+                    added.append(RunningRequest(r.held_tokens, 0, r.max_tokens))
+                    if r.plan.prefill_worker != wid:  # its KV comes over this worker's link
+                        inbound_tokens += r.held_tokens
+            if added:
+                running = (*running, *added)
         return WorkerView(
             worker_id=wid,
             role=s.role,
@@ -541,7 +551,7 @@ class Router:
             queued_requests=queued_requests,
             # The report's own tuple when nothing is reserved here: the policy's per-worker
             # caches key on it, so a reservation released brings their old entry back.
-            running=tuple(running) if len(running) != len(s.running) else s.running,
+            running=running,
             recent_steps=s.recent_steps,
             kv_bytes_per_token=s.kv_bytes_per_token,
             max_num_seqs=s.max_num_seqs,

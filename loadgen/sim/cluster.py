@@ -33,30 +33,15 @@ from dataclasses import dataclass, replace
 
 from loadgen.metrics import RequestRecord
 from loadgen.sim.profile import Profile
-from loadgen.sim.telemetry import SimReport
+from loadgen.sim.telemetry import RunningSets, SimReport, same_state
 from loadgen.sim.worker import Admission, SimRequest, SimWorker
 from loadgen.workload import RequestSpec
 from router.front_door import Hold, Router
-from router.types import SLO, Plan, RequestProfile, Role, RunningRequest, StepSample
+from router.types import SLO, Plan, RequestProfile, Role, StepSample
 
 __all__ = ["SimCluster"]
 
 _ARRIVAL, _RETRY, _STEP_END, _LANDED, _REBALANCE, _FLIPPED, _ENCODED = range(7)
-
-_new_running = RunningRequest.__new__
-_set_held = RunningRequest.num_tokens_held.__set__  # type: ignore[attr-defined,misc]
-_set_generated = RunningRequest.num_generated.__set__  # type: ignore[attr-defined,misc]
-_set_max_tokens = RunningRequest.max_tokens.__set__  # type: ignore[attr-defined,misc]
-
-
-def _running(held: int, generated: int, max_tokens: int) -> RunningRequest:
-    """``RunningRequest(held, generated, max_tokens)`` through its slots: the frozen
-    dataclass ``__init__`` costs more than the rest of a report, at 256 per worker."""
-    r = _new_running(RunningRequest)
-    _set_held(r, held)
-    _set_generated(r, generated)
-    _set_max_tokens(r, max_tokens)
-    return r
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +95,10 @@ class SimCluster:
         }
         self._digests: dict[str, tuple[int, ...]] = {w.worker_id: () for w in self.workers}
         self._link_free_s: dict[str, float] = {w.worker_id: 0.0 for w in self.workers}
+        # Per worker, the running set it last reported: (running_version, steps into the
+        # segment, the tuple). Reported again unchanged, it is the same tuple.
+        self._running_sets = RunningSets()
+        self._sent: dict[str, SimReport] = {}  # per worker, the last report the router took
         self._heap: list[tuple[float, int, int, object, int]] = []
         self._event_seq = 0
         self._rebalance = rebalance and router.pressure() is not None
@@ -246,8 +235,13 @@ class SimCluster:
     def _report_changed(self, now_s: float) -> None:
         """Telemetry: every worker whose state changed since the last decision reports."""
         update = self.router.update
+        sent = self._sent
         for worker in self._dirty:
-            update(self._report(worker, now_s))
+            report = self._report(worker, now_s)
+            last = sent.get(worker.worker_id)
+            if last is None or not same_state(last, report):
+                update(report)
+                sent[worker.worker_id] = report
             worker.dirty = False
         self._dirty.clear()
 
@@ -442,7 +436,7 @@ class SimCluster:
     def _report(self, w: SimWorker, now_s: float) -> SimReport:
         """What the worker's engine would report now (``WorkerSnapshot``'s fields)."""
         k = w.progress_at(now_s)
-        running = tuple([_running(r.held + k, r.generated + k, r.max_tokens) for r in w.running])
+        running = self._running_sets.at(w, k)
         used_tokens = w.used_tokens + k * len(w.running)
         prof = self.profile
         seq = self._seq[w.worker_id] = self._seq[w.worker_id] + 1

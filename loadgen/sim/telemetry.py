@@ -3,16 +3,36 @@
 
 The simulator reports a worker whenever its state changed and before the next
 decision (the live gateway sees telemetry up to 100 ms old, and covers the gap with
-the same reservations the simulator uses).
+the same reservations the simulator uses). A report that says nothing the last one
+the router took did not (``same_state``: a decode worker whose KV landed before its
+next step) is not sent: the router would rebuild that worker's row to the same values.
+A running set that did not move is reported as the same tuple (``RunningSets``), so
+the router's per-running-set caches keep their entry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loadgen.sim.worker import SimWorker
 from router.types import Role, RunningRequest, StepSample
 
-__all__ = ["SimReport"]
+__all__ = ["RunningSets", "SimReport", "running_request", "same_state"]
+
+_new_running = RunningRequest.__new__
+_set_held = RunningRequest.num_tokens_held.__set__  # type: ignore[attr-defined,misc]
+_set_generated = RunningRequest.num_generated.__set__  # type: ignore[attr-defined,misc]
+_set_max_tokens = RunningRequest.max_tokens.__set__  # type: ignore[attr-defined,misc]
+
+
+def running_request(held: int, generated: int, max_tokens: int) -> RunningRequest:
+    """``RunningRequest(held, generated, max_tokens)`` through its slots: the frozen
+    dataclass ``__init__`` costs more than the rest of a report, at 256 per worker."""
+    r = _new_running(RunningRequest)
+    _set_held(r, held)
+    _set_generated(r, generated)
+    _set_max_tokens(r, max_tokens)
+    return r
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +51,40 @@ class SimReport:
     max_num_seqs: int
     prefix_digest: tuple[int, ...]
     prefill_budget_tokens: int
+
+
+class RunningSets:
+    """Each worker's running set as reported: rebuilt only when it moved (a step,
+    an admission, a preemption: ``SimWorker.running_version``) or the segment in
+    flight advanced (``k`` steps into it), else the tuple reported last time."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[int, int, tuple[RunningRequest, ...]]] = {}
+
+    def at(self, w: SimWorker, k: int) -> tuple[RunningRequest, ...]:
+        last = self._last.get(w.worker_id)
+        if last is not None and last[0] == w.running_version and last[1] == k:
+            return last[2]
+        running = tuple(
+            [running_request(r.held + k, r.generated + k, r.max_tokens) for r in w.running]
+        )
+        self._last[w.worker_id] = (w.running_version, k, running)
+        return running
+
+
+def same_state(last: SimReport, now: SimReport) -> bool:
+    """``now`` says nothing ``last`` did not (its running set the same object)."""
+    return (
+        now.running is last.running
+        and now.num_free_blocks == last.num_free_blocks
+        and now.waiting_prompt_lens == last.waiting_prompt_lens
+        and now.recent_steps == last.recent_steps
+        and now.prefix_digest == last.prefix_digest
+        and now.role is last.role
+        and now.draining == last.draining
+        and now.prefill_budget_tokens == last.prefill_budget_tokens
+        and now.num_total_blocks == last.num_total_blocks
+        and now.max_num_seqs == last.max_num_seqs
+        and now.block_size == last.block_size
+        and now.kv_bytes_per_token == last.kv_bytes_per_token
+    )

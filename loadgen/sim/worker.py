@@ -19,8 +19,10 @@ it at the next step boundary, as a real engine admits work between steps.
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from collections.abc import Callable
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -29,6 +31,8 @@ from loadgen.sim.profile import Profile
 from router.types import Role, StepSample
 
 __all__ = ["Admission", "SimRequest", "SimWorker"]
+
+_ROW_FIELDS = operator.attrgetter("held", "generated", "max_tokens")
 
 
 class Admission(Protocol):
@@ -146,6 +150,7 @@ class SimWorker:
         self.queue: deque[SimRequest] = deque()  # prefill work, FCFS
         self.waiting: deque[SimRequest] = deque()  # KV landed, not yet admitted
         self.running: list[SimRequest] = []
+        self.running_version = 0  # bumps whenever ``running`` or a request in it moved
         self.num_inbound = 0  # planned to decode here, not admitted yet
         self.draining = False
         self.used_tokens = 0
@@ -238,6 +243,7 @@ class SimWorker:
         """The scheduled step (or segment) ended at ``now_s``."""
         steps, batch = self._steps, len(self.running)
         if batch:
+            self.running_version += 1
             mean_step_s = self._elapsed(steps) / steps
             self.used_tokens += batch * steps
             finished: list[SimRequest] = []
@@ -310,8 +316,9 @@ class SimWorker:
         if self.admission is None:
             return True
         bs = self.profile.block_size
-        rows = [(r.held, r.generated, r.max_tokens) for r in self.running]
-        running = np.array(rows, dtype=np.float64).reshape(len(rows), 3)
+        n = len(self.running)
+        flat = chain.from_iterable(map(_ROW_FIELDS, self.running))
+        running = np.fromiter(flat, np.float64, 3 * n).reshape(n, 3)
         return self.admission.can_admit_arrays(
             need,
             req.max_tokens,
@@ -327,6 +334,7 @@ class SimWorker:
 
     def _join(self, req: SimRequest) -> None:
         self.running.append(req)
+        self.running_version += 1
         self.used_tokens += req.held
         self.mark_dirty()
 
@@ -334,6 +342,7 @@ class SimWorker:
         # Recompute-style preemption of the newest, as vLLM does.
         while self.running and self.used_tokens + len(self.running) > self.capacity_tokens:
             victim = self.running.pop()
+            self.running_version += 1
             self.used_tokens -= victim.held
             victim.prefill_left = victim.prefill_total = victim.held
             victim.held = 0

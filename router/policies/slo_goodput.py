@@ -65,7 +65,7 @@ import numpy as np
 
 from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, load_profile
 from router.encode_fit import EncodeFit
-from router.estimator import OutputLengthHistory, sample_output_lengths
+from router.estimator import sample_output_lengths
 from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
 from router.planner import RolePressure
 from router.policy import register_policy
@@ -207,14 +207,12 @@ class SloGoodput:
 
     def _refresh_history(self, lengths: tuple[int, ...]) -> None:
         self._history_source = lengths
-        recent = lengths[-self.history_window :]
-        history = OutputLengthHistory(
-            self.prior_output_len,
-            window=self.history_window,
-            num_prior=self.history_window // 2,
-            lengths=recent,
-        )
-        sorted_h = history.sorted_lengths()
+        # ``OutputLengthHistory(prior, window, num_prior=window // 2, lengths)``'s window:
+        # the last ``window`` of the priors followed by the lengths, sorted.
+        window = self.history_window
+        recent = [int(v) for v in lengths[-window:]]
+        kept = ([self.prior_output_len] * (window // 2) + recent)[-window:]
+        sorted_h = np.sort(np.array(kept, dtype=np.float64))
         self._table.sorted_history = sorted_h
         # A new request has generated nothing: draw from all of H; the cap is applied per request.
         u = self._ring_u.reshape(1, -1)
