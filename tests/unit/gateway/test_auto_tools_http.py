@@ -5,6 +5,7 @@ the same tool calls and content streamed as not streamed."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,9 @@ class ScriptedFakeEngine(FakeEngine):
         self._script = script
 
     def _next_token(self, seq: Any) -> int:
+        # A token a millisecond, as a real engine paces them: unpaced, the whole script
+        # is generated before the gateway reads, and arrives coalesced in one chunk.
+        time.sleep(0.001)
         i = len(seq.output_ids)
         return ord(self._script[i]) if i < len(self._script) else 0
 
