@@ -70,7 +70,7 @@ def save_small_llama(folder: Path) -> Path:
     return folder
 
 
-def serve_config(policy: str, rebalance: bool) -> dict[str, object]:
+def serve_config(policy: str, rebalance: bool, max_hold_s: float) -> dict[str, object]:
     return {
         "engine": {"device": "cpu", "num_threads": 1, "kv_cache_bytes": 64 * 2**20},
         "workers": {"mode": "disaggregated", "prefill": 2, "decode": 2},
@@ -79,6 +79,7 @@ def serve_config(policy: str, rebalance: bool) -> dict[str, object]:
             "policy": policy,
             "default_slo": {"ttft_ms": SLO.ttft_ms, "tpot_ms": SLO.tpot_ms},
             "rebalance_interval_s": 10.0 if rebalance else 3600.0,
+            "max_hold_s": max_hold_s,
         },
     }
 
@@ -88,7 +89,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
     if model == "small":
         model = str(save_small_llama(work / "small-llama"))
     config_path = work / "overload.yaml"
-    config_path.write_text(yaml.safe_dump(serve_config(args.policy, args.rebalance)))
+    config_path.write_text(yaml.safe_dump(serve_config(args.policy, args.rebalance, args.max_hold)))
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--config", str(config_path)]
     cmd += ["--model", model, "--port", str(port), "--log-level", "warning"]
@@ -122,6 +123,9 @@ def main() -> None:
     p.add_argument("--rates", default="2,4,6,8,10,12,16", help="sweep, requests/s")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
     p.add_argument("--rebalance", action="store_true", help="let the ratio planner flip roles")
+    p.add_argument(
+        "--max-hold", type=float, default=5.0, help="router.max_hold_s (0: refuse at once)"
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="baton-overload-") as tmp:
         result = measure(args, Path(tmp))
@@ -134,6 +138,7 @@ def main() -> None:
                 "model": args.model,
                 "policy": args.policy,
                 "rebalance": args.rebalance,
+                "max_hold_s": args.max_hold,
                 "peak_goodput_req_per_s": result["peak_goodput"],
                 "saturation_rate_req_per_s": result["saturation_rate"],
                 **{f"goodput_of_peak_at_{r['factor']:g}x": r["of_peak"] for r in over},
