@@ -95,17 +95,31 @@ def hf_tiny(loaded: LoadedModel) -> Any:
 
 def save_llama_100m(folder: Path) -> Any:
     """~100M parameters: 12 layers, hidden 768, GQA 12/4 heads, vocab 32000, tied embeddings."""
+    return save_random_llama(folder, 32000, 768, 2048, 12, 12, 4)
+
+
+def save_random_llama(
+    folder: Path,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> Any:
+    """A random-weight Llama (tied embeddings) and a word-level tokenizer, saved by
+    ``transformers``; returns the model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=1,

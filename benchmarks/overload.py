@@ -17,6 +17,7 @@ The rebalancer is off unless ``--rebalance``: this measures admission on a fixed
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -42,31 +43,12 @@ WORKLOAD = WorkloadConfig(input_len="lognormal:mean=200,sigma=0.8", output_len="
 
 
 def save_small_llama(folder: Path) -> Path:
-    """A random 15M-parameter Llama with a word-level tokenizer, saved by transformers."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).float().save_pretrained(str(folder))
-    words = ["<unk>", "<s>", "</s>", *(f"w{i}" for i in range(cfg.vocab_size - 3))]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(str(folder))
+    """A random 15M-parameter Llama (hidden 384, 6 layers, 6/2 heads, vocab 4096)."""
+    spec = importlib.util.spec_from_file_location("bench_engine", _HERE / "engine.py")
+    assert spec is not None and spec.loader is not None
+    engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine)  # benchmarks/engine.py: one random-Llama builder
+    engine.save_random_llama(folder, 4096, 384, 1024, 6, 6, 2)
     return folder
 
 
