@@ -47,6 +47,7 @@ def save_small_llama(folder: Path) -> Path:
     spec = importlib.util.spec_from_file_location("bench_engine", _HERE / "engine.py")
     assert spec is not None and spec.loader is not None
     engine = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = engine  # its dataclasses look their module up there
     spec.loader.exec_module(engine)  # benchmarks/engine.py: one random-Llama builder
     engine.save_random_llama(folder, 4096, 384, 1024, 6, 6, 2)
     return folder
