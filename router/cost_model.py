@@ -11,7 +11,8 @@ A ``CostModel`` is seeded from a ``Profile`` and refitted online from the
 ``StepSample`` telemetry of its worker by weighted least squares over a rolling
 window (newer steps weigh more, the profile acts as a ridge prior so a model
 with few samples stays near its seed). It tracks its own prediction error
-(rolling mean absolute relative error) so that predictions carry it.
+(the rolling mean of how much slower than predicted its steps ran, relative to
+their duration; faster steps count as no error) so that predictions carry it.
 
 Profile JSON format (``loadgen/profiles/*.json``; all times in seconds)::
 
@@ -168,7 +169,7 @@ DEFAULT_PROFILE = Profile(
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """A predicted duration and the model's recent mean absolute relative error."""
+    """A predicted duration and the model's recent relative error (steps slower than predicted)."""
 
     value_s: float
     rel_error: float
@@ -258,7 +259,11 @@ class CostModel:
             sample.num_prefill_tokens, sample.num_decode_seqs, sample.total_context_tokens
         )
         predicted = float(np.dot(self._theta, x))
-        rel_error = abs(predicted - sample.duration_s) / sample.duration_s
+        # One-sided: the margin guards against steps slower than predicted. A step faster
+        # than predicted is no error to pad against: counted, a seed profile 17x slower
+        # than a fast CPU engine made a 17x margin, which priced an idle decode worker past
+        # its TPOT target, refused every request and so never saw the steps to correct it.
+        rel_error = max(0.0, sample.duration_s - predicted) / sample.duration_s
         if sample.num_prefill_tokens > 0:
             self._prefill_err.add(rel_error)
         else:
@@ -334,12 +339,12 @@ class CostModel:
 
     @property
     def prefill_error(self) -> float:
-        """Rolling mean absolute relative error of predicted steps that prefilled."""
+        """Rolling mean relative error (slower than predicted) of steps that prefilled."""
         return self._prefill_err.mean
 
     @property
     def decode_error(self) -> float:
-        """Rolling mean absolute relative error of predicted decode-only steps."""
+        """Rolling mean relative error (slower than predicted) of decode-only steps."""
         return self._decode_err.mean
 
     def prefill_s(self, num_tokens: float) -> float:
