@@ -88,8 +88,8 @@ def test_shared_prefix_lands_where_it_is_cached(two_mixed_prefix_aware: ServedGa
 # -- length-aware placement ------------------------------------------------------------
 
 SEED = 7
-RATE_PER_S = 32.0
-NUM_REQUESTS = 160  # per phase: ~5 s of arrivals
+RATE_PER_S = 48.0
+NUM_REQUESTS = 160  # per phase: ~3.3 s of arrivals
 LONG_FRACTION = 0.25
 SHORT_TOKENS = (16, 64)
 LONG_TOKENS = (1700, 2000)
