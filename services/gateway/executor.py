@@ -1,6 +1,7 @@
 """The plan executor: one request's journey through the workers, as one token stream.
 
-    place          router.place(profile, now) -> Plan | Hold | Reject (hold, then 429);
+    place          placement.py: router.place(profile, now) -> Plan | Hold | Reject
+                   (held requests wait in the hold line, then a 429);
                    the plan stays reserved on a worker until that worker's first
                    event (its telemetry counts the request from then on)
     encode         a plan with an encode worker (a request with images): Encode on it
@@ -39,14 +40,14 @@ from typing import TypeVar
 
 from kvtransfer.types import BlockHandle
 from router.correction import Outcome
-from router.front_door import Hold, Router
-from router.types import SLO, Plan, Priority, Reject, RequestProfile
+from router.front_door import Router
+from router.types import SLO, Plan, Priority, RequestProfile
 from services.engine.block_hash import compute_block_hashes, image_hash_token_ids
 from services.engine.messages import EngineRequest, FinishReason, ImageInput, SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.errors import BadRequest, Overloaded, ServiceFailure
-from services.gateway.hold_line import HoldLine
+from services.gateway.errors import BadRequest, ServiceFailure
+from services.gateway.placement import HoldSettings, Placer, unreserve
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient, WorkerDiedError
 from services.workers.messages import (
@@ -71,7 +72,6 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class ExecutorConfig:
-    policy_name: str
     kv_backend: str
     max_hold_s: float = 5.0
     max_attempts: int = 3
@@ -151,12 +151,16 @@ class PlanExecutor:
         self._metrics = metrics
         self._config = config
         self._on_worker_died = on_worker_died
-        self._hold_line = HoldLine()
+        self._placer = Placer(
+            router,
+            clients,
+            metrics,
+            HoldSettings(config.max_hold_s, config.hold_poll_s, config.replace_hold_s),
+        )
 
     def use_policy(self, name: str) -> None:
         """Place requests with the policy ``name`` from now on (placed ones are unaffected)."""
         self._router.use_policy(name)
-        self._config = replace(self._config, policy_name=name)
 
     async def run(
         self,
@@ -224,7 +228,7 @@ class PlanExecutor:
         while num_failures < self._config.max_attempts:
             attempt_id = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
             placing = profile if attempt == 0 else _replaced(profile, len(generated))
-            plan = await self._place(placing, replaced=attempt > 0)
+            plan = await self._placer.place(placing, replaced=attempt > 0)
             if attempt == 0:
                 trace.plan, trace.placed_s = plan, time.monotonic()
                 self._metrics.stage_s.labels("queue").observe(trace.placed_s - profile.arrival_s)
@@ -268,94 +272,6 @@ class PlanExecutor:
             return ()
         spans = [(i.offset, i.num_tokens, i.content_hash) for i in images]
         return tuple(compute_block_hashes(image_hash_token_ids(prompt, spans), block_size))
-
-    # -- placement ----------------------------------------------------------------------
-    async def _place(self, profile: RequestProfile, *, replaced: bool = False) -> Plan:
-        """A plan for ``profile``. A held request waits in the hold line (hold_line.py)
-        until ``max_hold_s``; a re-placed one (``replaced``: its stream has started)
-        skips the line and holds on any rejection until room appears
-        (``replace_hold_s``)."""
-        if replaced:
-            return await self._place_replaced(profile)
-        deadline_s = time.monotonic() + self._config.max_hold_s
-        line = self._hold_line
-        rid = profile.request_id
-        if len(line):
-            self._refuse_behind(line, profile)  # raises when the line is too slow for it
-            decision: Plan | Hold | Reject = Hold("waiting behind held requests", 1.0)
-        else:
-            decision = self._try_place(profile, replaced=False)
-            if isinstance(decision, Plan):
-                return decision
-            if isinstance(decision, Reject) or time.monotonic() >= deadline_s:
-                raise self._refusal(profile, decision)
-        line.join(rid, time.monotonic())
-        try:
-            # Behind others, no longer than its TTFT budget lasts: past it, no place helps.
-            if not await line.wait_turn(rid, self._budget_s(profile, time.monotonic())):
-                raise self._refusal(profile, decision)
-            while True:
-                decision = self._try_place(profile, replaced=False)
-                if isinstance(decision, Plan):
-                    return decision
-                if isinstance(decision, Reject) or time.monotonic() >= deadline_s:
-                    raise self._refusal(profile, decision)
-                await asyncio.sleep(self._config.hold_poll_s)
-        finally:
-            line.leave(rid, time.monotonic())
-
-    async def _place_replaced(self, profile: RequestProfile) -> Plan:
-        deadline_s = time.monotonic() + self._config.replace_hold_s
-        while True:
-            decision = self._try_place(profile, replaced=True)
-            if isinstance(decision, Plan):
-                return decision
-            if time.monotonic() >= deadline_s:
-                raise self._refusal(profile, decision)
-            await asyncio.sleep(self._config.hold_poll_s)
-
-    def _try_place(self, profile: RequestProfile, *, replaced: bool) -> Plan | Hold | Reject:
-        """One router decision; a plan whose worker left meanwhile counts as a hold."""
-        router = self._router
-        now_s = time.monotonic()
-        decision = router.place(profile, now_s, replaced=replaced)
-        self._metrics.decision_s.labels(self._config.policy_name).observe(time.monotonic() - now_s)
-        if isinstance(decision, Plan) and not self._plan_is_live(decision):
-            _unreserve(router, profile.request_id, decision)
-            return Hold("a planned worker left", self._config.hold_poll_s)
-        return decision
-
-    def _budget_s(self, profile: RequestProfile, now_s: float) -> float:
-        """How much longer ``profile`` may wait for a place: the hold limit, and what is
-        left of its TTFT target."""
-        waited_s = max(0.0, now_s - profile.arrival_s)
-        budget_s = self._config.max_hold_s - waited_s
-        ttft_s = profile.slo.ttft_s or self._router.settings.default_slo.ttft_s
-        return budget_s if ttft_s is None else min(budget_s, ttft_s - waited_s)
-
-    def _refuse_behind(self, line: HoldLine, profile: RequestProfile) -> None:
-        """Refuse at once a request that would wait out its time behind the line."""
-        now_s = time.monotonic()
-        wait_s = line.expected_wait_s(now_s)
-        if wait_s is not None and wait_s > self._budget_s(profile, now_s):
-            reason = "too many requests held ahead"
-            self._metrics.rejections.labels(reason, profile.priority.value).inc()
-            raise Overloaded(f"request rejected: {reason}", max(1.0, wait_s))
-
-    def _refusal(self, profile: RequestProfile, decision: Plan | Hold | Reject) -> Overloaded:
-        match decision:
-            case Plan():
-                return Overloaded("the planned workers are gone", 1.0)
-            case Hold(reason=reason, retry_after_s=retry_after_s):
-                retryable = True
-            case Reject(reason=reason, retry_after_s=retry_after_s, retryable=retryable):
-                pass
-        self._metrics.rejections.labels(reason, profile.priority.value).inc()
-        return Overloaded(f"request rejected: {reason}", retry_after_s, should_retry=retryable)
-
-    def _plan_is_live(self, plan: Plan) -> bool:
-        names = [plan.prefill_worker, plan.decode_worker, *plan.encode_workers]
-        return all(self._clients(n) is not None for n in names if n is not None)
 
     # -- execution ----------------------------------------------------------------------
     async def _execute(
@@ -440,7 +356,7 @@ class PlanExecutor:
             # A continuation after a failure runs where decoding would have run.
             worker_id = plan.decode_worker if generated and plan.decode_worker else None
             worker_id = worker_id or plan.prefill_worker
-            _unreserve(self._router, placed_id, plan, keep=worker_id)
+            unreserve(self._router, placed_id, plan, keep=worker_id)
             request = EngineRequest(
                 request_id, prompt, sampling, output_token_ids=generated, images=images
             )
@@ -602,13 +518,6 @@ async def _aclose(events: object) -> None:
     aclose = getattr(events, "aclose", None)
     if aclose is not None:
         await aclose()
-
-
-def _unreserve(router: Router, placed_id: str, plan: Plan, keep: str | None = None) -> None:
-    """Drop the plan's reservations on its workers, but ``keep``'s."""
-    for worker_id in {plan.prefill_worker, plan.decode_worker or plan.prefill_worker}:
-        if worker_id != keep:
-            router.release(placed_id, worker_id)
 
 
 def _replaced(profile: RequestProfile, num_generated: int) -> RequestProfile:

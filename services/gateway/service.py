@@ -107,7 +107,6 @@ class GatewayService:
             self.controller.client,
             self.metrics,
             ExecutorConfig(
-                policy_name=self.policy_name,
                 kv_backend=settings.kv_backend,
                 max_hold_s=settings.router.max_hold_s,
             ),

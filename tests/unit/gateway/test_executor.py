@@ -88,7 +88,7 @@ def build(
     metrics = BatonMetrics()
     executor = PlanExecutor(
         router, by_id.get, metrics,  # type: ignore[arg-type]
-        ExecutorConfig("round_robin", "local", max_hold_s=0.0), on_died, FakeTokenizer(),
+        ExecutorConfig("local", max_hold_s=0.0), on_died, FakeTokenizer(),
     )  # fmt: skip
     return executor, metrics, died
 

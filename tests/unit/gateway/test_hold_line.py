@@ -44,7 +44,7 @@ def gated_executor(max_hold_s: float = 30.0) -> tuple[PlanExecutor, FakeGate, Sc
     router = Router(RouterSettings(policy="round_robin", max_hold_s=max_hold_s), policy=gate)
     router.update(snapshot("w", Role.MIXED))
     worker = ScriptedWorker("w", lambda job: [delta(65, FinishReason.LENGTH)])
-    config = ExecutorConfig("fake_gate", "local", max_hold_s=max_hold_s, hold_poll_s=POLL_S)
+    config = ExecutorConfig("local", max_hold_s=max_hold_s, hold_poll_s=POLL_S)
     executor = PlanExecutor(
         router, {"w": worker}.get, BatonMetrics(), config,  # type: ignore[arg-type]
         lambda _: None, FakeTokenizer(),
@@ -89,7 +89,7 @@ async def test_a_request_is_refused_at_once_when_the_line_cannot_serve_it_in_tim
     executor, gate, _ = gated_executor(max_hold_s=1.0)
     first = asyncio.create_task(run_one(executor, "first"))
     await asyncio.sleep(0.05)
-    line = executor._hold_line
+    line = executor._placer.line
     line._departures.extend([time.monotonic()] * 2)  # 1 per s lately
     for rid in ("x", "y"):  # two more already waiting: ~3 s ahead of a newcomer
         line.join(rid, time.monotonic())
