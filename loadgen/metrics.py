@@ -162,9 +162,8 @@ def compute_summary(
         out["slo_attainment"] = good / len(records) if records else 0.0
     out["goodput_slo_ms"] = slo.as_dict() if slo else None
     # Refusals (429/503) beside goodput: how many, and how fast they were answered.
-    refused = [r for r in records if r.status in _REFUSED and r.e2el_s is not None]
-    out["rejected"] = len(refused)
-    refused_ms = [r.e2el_s * 1000 for r in refused if r.e2el_s is not None]
+    refused_ms = [r.e2el_s * 1000 for r in records if r.status in _REFUSED and r.e2el_s is not None]
+    out["rejected"] = len(refused_ms)
     out["p99_rejection_ms"] = float(np.percentile(refused_ms, 99)) if refused_ms else 0.0
     out["max_rejection_ms"] = max(refused_ms, default=0.0)
     ttft = np.array([r.ttft_s for r in ok if r.ttft_s is not None])

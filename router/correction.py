@@ -12,8 +12,8 @@ by least squares over a short window of the latest pairs, so a change in a worke
 speed is followed within ``window`` requests. Pairs also age out after ``max_age_s``
 (when the reader passes the time): a correction learned while a worker was slow must
 not outlive the slowness, and while admission refuses everything a worker teaches
-nothing new, so without ageing one slow spell would keep the worker refused for good. With few pairs, or predictions that
-barely vary, it falls back to a pure bias (the mean error); ``scale`` is clamped so
+nothing new, so without ageing one slow spell would keep the worker refused for good.
+With few pairs, or predictions that barely vary, it falls back to a pure bias (the mean error); ``scale`` is clamped so
 that one odd request cannot turn the fit upside down.
 
 Pure: no clock reads; the caller measures and passes durations.
@@ -72,20 +72,18 @@ class Correction:
 
     def __init__(self, settings: CorrectionSettings) -> None:
         self._settings = settings
-        self._pairs: deque[tuple[float, float]] = deque(maxlen=settings.window)
-        self._times: deque[float | None] = deque(maxlen=settings.window)
+        # (predicted, observed, when measured or None), oldest first
+        self._pairs: deque[tuple[float, float, float | None]] = deque(maxlen=settings.window)
         self._fit: LinearFit | None = _IDENTITY
 
     def observe(self, predicted_s: float, observed_s: float, at_s: float | None = None) -> None:
-        self._pairs.append((predicted_s, observed_s))
-        self._times.append(at_s)
+        self._pairs.append((predicted_s, observed_s, at_s))
         self._fit = None  # refitted when next read
 
     def expire(self, now_s: float) -> None:
         """Drop the pairs measured more than ``max_age_s`` before ``now_s``."""
         horizon = now_s - self._settings.max_age_s
-        while self._times and (at_s := self._times[0]) is not None and at_s < horizon:
-            self._times.popleft()
+        while self._pairs and (at_s := self._pairs[0][2]) is not None and at_s < horizon:
             self._pairs.popleft()
             self._fit = None
 
@@ -104,12 +102,12 @@ class Correction:
         n = len(self._pairs)
         if n < s.min_samples:
             return _IDENTITY
-        mean_p = sum(p for p, _ in self._pairs) / n
-        mean_o = sum(o for _, o in self._pairs) / n
-        var_p = sum((p - mean_p) ** 2 for p, _ in self._pairs) / n
+        mean_p = sum(p for p, _, _ in self._pairs) / n
+        mean_o = sum(o for _, o, _ in self._pairs) / n
+        var_p = sum((p - mean_p) ** 2 for p, _, _ in self._pairs) / n
         if var_p <= (s.min_relative_spread * mean_p) ** 2 or var_p == 0.0:
             return LinearFit(bias_s=mean_o - mean_p, scale=1.0)
-        cov = sum((p - mean_p) * (o - mean_o) for p, o in self._pairs) / n
+        cov = sum((p - mean_p) * (o - mean_o) for p, o, _ in self._pairs) / n
         scale = min(s.max_scale, max(s.min_scale, cov / var_p))
         return LinearFit(bias_s=mean_o - scale * mean_p, scale=scale)
 

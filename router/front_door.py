@@ -353,9 +353,8 @@ class Router:
                 self.refusals.refused(now_s, refusal.reason)
                 return refusal
             self.refusals.placed(now_s)
-        self.reserve(
-            profile, decision, now_s
-        )  # observed until ``release(id)``: a re-place is not new
+        # Observed until ``release(id)``: a re-place is not new.
+        self.reserve(profile, decision, now_s)
         return decision
 
     def release(self, request_id: str, worker_id: str | None = None) -> None:

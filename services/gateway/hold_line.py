@@ -23,7 +23,7 @@ Arrival order is kept: a request never takes the room the head is waiting for.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+from collections import deque
 
 __all__ = ["HoldLine"]
 
@@ -32,7 +32,7 @@ class HoldLine:
     def __init__(self, window_s: float = 2.0, min_departures: int = 2) -> None:
         self.window_s = window_s
         self.min_departures = min_departures  # fewer in the window: no estimate yet
-        self._line: OrderedDict[str, asyncio.Event] = OrderedDict()
+        self._line: dict[str, asyncio.Event] = {}  # arrival order: the head first
         self._head_since_s = 0.0  # when the present head became the head
         self._departures: deque[float] = deque()
 

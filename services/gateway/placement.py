@@ -118,9 +118,8 @@ class Placer:
         now_s = time.monotonic()
         wait_s = line.expected_wait_s(now_s)
         if wait_s is not None and wait_s > self._budget_s(profile, now_s):
-            reason = "too many requests held ahead"
-            self._metrics.rejections.labels(reason, profile.priority.value).inc()
-            raise Overloaded(f"request rejected: {reason}", max(1.0, wait_s))
+            ahead = Reject("too many requests held ahead", retry_after_s=max(1.0, wait_s))
+            raise self._refusal(profile, ahead)
 
     def _refusal(self, profile: RequestProfile, decision: Plan | Hold | Reject) -> Overloaded:
         match decision:
