@@ -78,3 +78,17 @@ def test_weighted_itl_override() -> None:
 def test_empty_run_is_zeros() -> None:
     s = compute_summary([], 1.0, GoodputSLO(ttft_ms=1))
     assert s["completed"] == 0 and s["mean_ttft_ms"] == 0.0 and s["slo_attainment"] == 0.0
+
+
+def test_refusals_are_counted_with_how_fast_they_were_answered() -> None:
+    records = [
+        RequestRecord("ok", True, 0.0, ttft_s=0.1, e2el_s=0.5, output_tokens=4, status=200),
+        RequestRecord("busy", False, 0.1, e2el_s=0.02, status=429),
+        RequestRecord("down", False, 0.2, e2el_s=0.04, status=503),
+        RequestRecord("bad", False, 0.3, e2el_s=0.01, status=400),  # a client error, no refusal
+        RequestRecord("lost", False, 0.4, status=None),  # no answer at all
+    ]
+    out = compute_summary(records, 1.0)
+    assert out["rejected"] == 2 and out["failed"] == 4
+    assert out["max_rejection_ms"] == pytest.approx(40.0)
+    assert 20.0 < out["p99_rejection_ms"] <= 40.0
