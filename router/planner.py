@@ -16,7 +16,8 @@
 *Flipping* one worker between roles (``RatioPlanner.decide``), at most once per
 interval: each role's pressure is predicted TTFT / target (prefill) or the
 larger of peak KV fraction and predicted TPOT / target (decode); a mixed
-worker's is the larger of its TTFT and its chunked-step TPOT against their
+worker's is the larger of its TTFT and its TPOT (its mean step, with the stalls of
+the prefill chunks queued there spread over the mean output) against their
 targets. Pressure is taken to scale as ``1/pool size``. Both ways:
 
 * prefill <-> decode when moving one worker lowers the larger pressure by more
@@ -171,7 +172,7 @@ class RolePressure:
     tpot_target_s: float
     encode_wait_s: float = 0.0  # predicted queue wait on an encode worker, averaged
     mixed_ttft_s: float = 0.0  # averaged over mixed workers (0: none)
-    mixed_tpot_s: float = 0.0  # their decode step with a prefill chunk in it
+    mixed_tpot_s: float = 0.0  # their mean step, with their queued chunks' stalls
 
     @property
     def prefill(self) -> float:

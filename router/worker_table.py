@@ -86,6 +86,7 @@ class WorkerTable:
         self.chunked_step_s = zeros()  # a step that also carries a full prefill chunk
         self.chunk_tokens = zeros()  # that full chunk (0: this worker runs no chunks)
         self.chunk_s_per_token = zeros()  # what each chunk token adds to such a step
+        self.chunk_fixed_s = zeros()  # what a chunk adds to a step beyond its tokens
         self.num_running, self.max_num_seqs = zeros(), zeros()
         self.held_tokens, self.peak_tokens = zeros(), zeros()
         self.inbound_tokens = zeros()  # KV placed to decode here, not yet running here
@@ -180,10 +181,9 @@ class WorkerTable:
         chunks = bool(chunk) and w.role is not Role.PREFILL
         self.chunk_tokens[i] = chunk if chunks else 0
         self.chunk_s_per_token[i] = per_token_s if chunks else 0.0
+        self.chunk_fixed_s[i] = max(0.0, prefill.a - dec.a) * p_margin if chunks else 0.0
         self.chunked_step_s[i] = (
-            self.step_base_s[i] + max(0.0, prefill.a - dec.a) * p_margin + per_token_s * chunk
-            if chunks
-            else 0.0
+            self.step_base_s[i] + self.chunk_fixed_s[i] + per_token_s * chunk if chunks else 0.0
         )
         self.num_running[i] = num_running
         self.max_num_seqs[i] = w.max_num_seqs

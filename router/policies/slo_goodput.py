@@ -98,6 +98,7 @@ class SloGoodput:
     length_threshold_tokens: int | None = None
     memory_fraction: float = 0.95
     batch_memory_fraction: float = 0.8
+    slo_headroom: float = 1.0  # interactive requests must fit within this share of each target
     batch_slo_headroom: float = 0.8
     max_hold_s: float = 5.0
     hold_retry_s: float = 0.05
@@ -122,6 +123,7 @@ class SloGoodput:
     _ring: np.ndarray = field(init=False, repr=False)
     _ring_u: np.ndarray = field(init=False, repr=False)
     _ring_next: int = field(init=False, repr=False, default=0)
+    _mean_output_len: float = field(init=False, repr=False, default=1.0)
     _observes: bool = field(init=False, repr=False, default=True)
 
     def __post_init__(self) -> None:
@@ -198,8 +200,23 @@ class SloGoodput:
             tpot_target_s=slo.tpot_s or math.inf,
             encode_wait_s=encode_b * float(t.queued_tokens[encode].mean()) if encode.any() else 0.0,
             mixed_ttft_s=float(ttft_s[mixed].mean()) if mixed.any() else 0.0,
-            mixed_tpot_s=float(t.chunked_step_s[mixed].mean()) if mixed.any() else 0.0,
+            mixed_tpot_s=float(self._colocated_tpot_s(t, n)[mixed].mean()) if mixed.any() else 0.0,
         )
+
+    def _colocated_tpot_s(self, t: WorkerTable, n: float | np.ndarray) -> np.ndarray:
+        """Each worker's mean step with an ``n``-token prompt prefilled there (colocated).
+
+        TPOT is a request's mean step time: each chunk stalls one step of every running
+        sequence by its excess over a plain step, once, and that stall is spread over
+        the sequence's output tokens. So the stalls of what is queued there and of this
+        prompt count spread over the mean output length. (Judged per step, as if TPOT
+        bounded each gap, a busy mixed worker took no prompt at all: on the memory-bound
+        workload, whose outputs of thousands of tokens each absorb a stall, every
+        colocated request was held and refused.)"""
+        queued = t.queued_tokens + n
+        chunks = np.ceil(queued / np.maximum(t.chunk_tokens, 1.0))
+        stall_s = chunks * t.chunk_fixed_s + t.chunk_s_per_token * queued
+        return t.step_base_s + stall_s / self._mean_output_len
 
     @property
     def length_threshold(self) -> float:
@@ -214,6 +231,7 @@ class SloGoodput:
         kept = ([self.prior_output_len] * (window // 2) + recent)[-window:]
         sorted_h = np.sort(np.array(kept, dtype=np.float64))
         self._table.sorted_history = sorted_h
+        self._mean_output_len = max(1.0, float(sorted_h.mean()))
         # A new request has generated nothing: draw from all of H; the cap is applied per request.
         u = self._ring_u.reshape(1, -1)
         zeros = np.zeros(u.shape[1])
@@ -229,7 +247,7 @@ class SloGoodput:
         if not view.workers:
             return Reject("no live worker", retry_after_s=self.min_retry_after_s)
         batch = profile.priority is Priority.BATCH
-        headroom = self.batch_slo_headroom if batch else 1.0
+        headroom = self.batch_slo_headroom if batch else self.slo_headroom
         ttft_s = profile.slo.ttft_s or self.default_slo.ttft_s
         tpot_s = profile.slo.tpot_s or self.default_slo.tpot_s
         elapsed_s = max(0.0, now_s - profile.arrival_s)
@@ -289,24 +307,21 @@ class SloGoodput:
             if d >= 0:
                 best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))
 
-        # Colocated: the same checks without a transfer, priced with the decodes it stalls.
-        # Its chunks slow every running sequence's steps: those must stay within TPOT too.
-        # A chunk holds what is queued there and this prompt, never more than the budget
-        # (a full budget's chunk for a 3-token prompt refused 64 of them on an idle worker).
-        unused = t.chunk_tokens - np.minimum(t.chunk_tokens, t.queued_tokens + n)
-        chunked_step_s = t.chunked_step_s - t.chunk_s_per_token * unused
+        # Colocated: the same checks without a transfer, priced with the decodes it stalls:
+        # the mean step of the running sequences with this prompt's chunks among them.
+        coloc_tpot_s = self._colocated_tpot_s(t, n) + t.step_per_token_s * held_q
         ok = (
             coloc_ok
             & decodable
             & (ttft_local <= budget_s)
-            & (chunked_step_s <= tpot_limit_s)
+            & (coloc_tpot_s <= tpot_limit_s)
             & self._may_colocate(t, is_long)
         )
         if ok.any():
             cost = ttft_local + t.stall_per_prefill_s * prefill_s
             c = self._pick(ok, sure, -cost, held_q, r_q, limit)
             if c >= 0 and (best is None or cost[c] < best[0]):
-                best = (float(cost[c]), self._make_plan(c, None, n, ttft_local[c], tpot_pred[c]))
+                best = (float(cost[c]), self._make_plan(c, None, n, ttft_local[c], coloc_tpot_s[c]))
 
         if best is None:
             feasible_decode = decodable & (decode_ok | coloc_ok)
