@@ -20,7 +20,8 @@ and ``prefix_aware`` disaggregated, each at the best prefill:decode split of tho
 ``aggregated`` (every GPU a mixed worker with chunked prefill and admission by free
 blocks, as vLLM does by default; the disaggregated baselines keep the engines'
 past-future admission, their strongest setting). ``baton`` starts from the best of the
-same splits.
+same splits or of every worker mixed (the aggregated layout; share 0 in
+``--prefill-shares``), whichever serves more, and its planner moves roles from there.
 
 For each (workload, GPUs, system) the goodput (the rate at which SLO attainment crosses
 90%) is found by bisection on the rate between 0.25x and 1.5x the fluid bound
@@ -67,6 +68,7 @@ from router.types import Role  # noqa: E402
 TARGET_ATTAINMENT = 0.9
 SLO = GoodputSLO(ttft_ms=500, tpot_ms=25)
 BRACKET_OF_BOUND = (0.25, 1.5)  # bisection starts between these multiples of the fluid bound
+MAX_OF_BOUND = 8.0  # ... and its top doubles while still met, up to this multiple
 BASELINES = ("round_robin", "least_loaded", "prefix_aware", "aggregated")
 SYSTEMS = ("baton", *BASELINES)
 TURNS = 4
@@ -99,6 +101,7 @@ class Workload:
     max_tokens: int
     turns: int = 1
     note: str = ""
+    min_duration_s: float = 0.0  # runs at least this long (simulated s of arrivals)
 
 
 PREFILL_HEAVY = ("uniform:1500-3000", "uniform:8-32")
@@ -123,6 +126,9 @@ WORKLOADS = {
             (("uniform:64-512", "uniform:1000-4000", 1.0),),
             4096,
             note="prompts 64-512, outputs 1000-4000 (max_tokens 4096)",
+            # A request lives 25-100 s at 25 ms a token: shorter runs end before the
+            # decode pools fill, and every system serves any rate it is offered.
+            min_duration_s=90.0,
         ),
         Workload(
             "multi_turn",
@@ -208,7 +214,7 @@ def run_at(
         rate=RateSpec(rate),
         num_prefill=num_prefill,
         num_decode=gpus - num_prefill,
-        num_colocated=gpus if aggregated else 0,
+        num_colocated=gpus if aggregated or num_prefill == 0 else 0,
         router=baton_router(profile, grid.duration_s) if baton else RouterSettings(profile=profile),
         policy="slo_goodput" if baton else ("round_robin" if aggregated else system),
         profile=profile,
@@ -229,7 +235,12 @@ def sweep(
     """Runs at the bracket's ends and at each bisection point, sorted by rate."""
     lo, hi = (m * bound for m in BRACKET_OF_BOUND)
     runs = [run_at(system, workload, gpus, num_prefill, r, grid, profile) for r in (lo, hi)]
-    if runs[0]["slo_attainment"] >= TARGET_ATTAINMENT > runs[1]["slo_attainment"]:
+    # The bound can under-count (memory-bound decode): past the bracket's top, go on
+    # doubling until attainment falls, so that no system's goodput is capped by it.
+    while runs[-1]["slo_attainment"] >= TARGET_ATTAINMENT and hi < MAX_OF_BOUND * bound:
+        lo, hi = hi, 2 * hi
+        runs.append(run_at(system, workload, gpus, num_prefill, hi, grid, profile))
+    if runs[-2]["slo_attainment"] >= TARGET_ATTAINMENT > runs[-1]["slo_attainment"]:
         for _ in range(grid.bisect_steps):
             mid = (lo + hi) / 2
             summary = run_at(system, workload, gpus, num_prefill, mid, grid, profile)
@@ -259,11 +270,14 @@ def best_split(
         return Best(goodput_at(points), f"0:0:{gpus}", 0.0, runs)
     best = Best(-1.0, "", 0.0, [])
     for share in shares:
-        num_prefill = min(gpus - 1, max(1, round(share * gpus)))
+        if share == 0.0 and system != "baton":
+            continue  # every worker mixed: the aggregated baseline's layout
+        num_prefill = 0 if share == 0.0 else min(gpus - 1, max(1, round(share * gpus)))
         runs = sweep(system, workload, gpus, num_prefill, grid, profile, bound)
         g = goodput_at([(float(s["rate"]), s["slo_attainment"]) for s in runs])
         if g > best.goodput:
-            best = Best(g, f"{num_prefill}:{gpus - num_prefill}:0", share, runs)
+            split = f"0:0:{gpus}" if num_prefill == 0 else f"{num_prefill}:{gpus - num_prefill}:0"
+            best = Best(g, split, share, runs)
     return best
 
 
@@ -278,7 +292,9 @@ def main() -> int:
     parser.add_argument("--large-duration", type=float, default=1.5)
     parser.add_argument("--large-bisect-steps", type=int, default=2)
     parser.add_argument(
-        "--prefill-shares", default="0.375,0.625", help="splits tried at the first GPU count"
+        "--prefill-shares",
+        default="0,0.375,0.625",
+        help="splits tried at the first GPU count (0: every worker mixed, baton only)",
     )
     parser.add_argument("--profile", default="llama3-8b-h100")
     parser.add_argument("--out", type=Path, default=Path("bench-out/policies"))
@@ -297,6 +313,8 @@ def main() -> int:
                 if coarse
                 else Grid(args.duration, args.bisect_steps)
             )
+            if not coarse:  # the coarse search stays short: its rows say so
+                grid = replace(grid, duration_s=max(grid.duration_s, workload.min_duration_s))
             bound = bound_rps(workload, gpus, profile)
             results: dict[str, Best] = {}
             for system in systems:
