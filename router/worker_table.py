@@ -117,7 +117,7 @@ class WorkerTable:
             return
         # Identity, not equality: a snapshot is a new object whenever anything in it moved.
         moved = np.fromiter(map(operator.is_not, new, old), dtype=bool, count=len(new))
-        changed = np.flatnonzero(moved).tolist()
+        changed = moved.nonzero()[0].tolist()
         for i in changed:
             if new[i].worker_id != old[i].worker_id or new[i].role != old[i].role:
                 self._rebuild(new)

@@ -256,7 +256,7 @@ class SloGoodput:
         # memory bounds of the past-future peak (see ``_pick``).
         held_q = float(profile.num_prompt_tokens + profile.num_image_tokens)
         r_q = np.maximum(np.minimum(self._next_candidate(), profile.max_tokens) - 1.0, 0.0)
-        r_q_max = float(r_q.max())
+        r_q_max = max(r_q.tolist())  # a handful of draws: cheaper than a numpy reduction
         tpot_pred = t.step_base_s + t.step_per_token_s * held_q
         if batch:
             room, slack, limit = t.batch_room_tokens, t.batch_slack_tokens, t.batch_limit_tokens
@@ -270,7 +270,7 @@ class SloGoodput:
         # Disaggregated: the best prefill worker, then the emptiest feasible decode worker.
         best: tuple[float, Plan] | None = None
         score = ttft_local + t.transfer_s_per_token * held_q + self._prefill_penalty(t, is_long)
-        p = int(np.argmin(score))
+        p = int(score.argmin())
         if score[p] < np.inf:
             kv_bytes = held_q * t.kv_bytes_per_token[p]
             ttft_pair = ttft_local[p] + kv_bytes / np.minimum(t.bandwidth[p], t.bandwidth)
@@ -342,7 +342,8 @@ class SloGoodput:
             return float(max(1, effective_prefill_tokens(profile)))
         matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
         total = profile.num_prompt_tokens + profile.num_image_tokens
-        n = np.full(len(t.role), float(total))
+        n = np.empty(len(t.role))
+        n.fill(float(total))
         if matched:
             index = np.fromiter(matched.keys(), dtype=np.intp, count=len(matched))
             blocks = np.fromiter(matched.values(), dtype=np.float64, count=len(matched))
@@ -413,12 +414,12 @@ class SloGoodput:
         best, best_pref = -1, -np.inf
         fits = ok & sure
         if fits.any():
-            best = int(np.argmax(np.where(fits, preference, -np.inf)))
+            best = int(np.where(fits, preference, -np.inf).argmax())
             best_pref = float(preference[best])
-        better = np.flatnonzero(ok & (preference > best_pref))
+        better = (ok & (preference > best_pref)).nonzero()[0]
         if better.size:
             better = better[~sure[better]]
-            order = better[np.argsort(-preference[better], kind="stable")]
+            order = better[(-preference[better]).argsort(kind="stable")]
             for i in order[: self.max_exact_checks]:
                 table = self._table.tables[i]
                 if table is not None and table.peak_with(held_q, r_q) < limit[i]:

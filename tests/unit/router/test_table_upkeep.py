@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from router.cost_model import DEFAULT_PROFILE, CostModel
+from router.estimator import PeakTable, remaining_tokens
 from router.front_door import Router, RouterSettings
 from router.length import SplitMode, queue_wait_s
 from router.types import (
@@ -343,3 +344,49 @@ def test_an_extended_running_set_has_the_rows_of_a_new_one(seed: int) -> None:
     assert extended.held_total == fresh.held_total
     # A set that does not start with a cached one is not an extension.
     assert _extended(entries, (*added, *base)) is None or not base
+
+
+def _reference_remaining(
+    h: np.ndarray, g: np.ndarray, cap: np.ndarray, u: np.ndarray
+) -> np.ndarray:
+    """``remaining_tokens`` as it was (module functions, no cached arrays)."""
+    cap = np.maximum(cap, g)
+    m = len(h)
+    lo = np.searchsorted(h, g, side="right")
+    count = m - lo
+    tail = g + u * (cap - g) if m == 0 or count.min(initial=1) == 0 else None
+    if m == 0:
+        assert tail is not None
+        drawn = tail
+    else:
+        pos = lo + u * np.maximum(count - 1, 0)
+        if m == 1:
+            drawn = np.full(pos.shape, h[0])
+        else:
+            j = np.minimum(pos.astype(np.intp), m - 2)
+            drawn = h[j] + (pos - j) * (h[j + 1] - h[j])
+        if tail is not None:
+            drawn = np.where(count > 0, drawn, tail)
+    return np.maximum(np.minimum(drawn, cap) - g - 1.0, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_draws_and_peak_tables_equal_the_replaced_ones(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for trial in range(300):
+        m = (0, 1, 2, 200)[trial % 4]
+        h = np.sort(rng.integers(1, 500, m).astype(np.float64))
+        n = int(rng.integers(0, 70))
+        g = rng.integers(0, 600, n).astype(np.float64)
+        cap = rng.choice([1.0, 100.0, 512.0, 4000.0], n)
+        u = rng.random((int(rng.integers(1, 6)), n))
+        r = remaining_tokens(h, g, cap, u)
+        assert np.array_equal(r, _reference_remaining(h, g, cap, u))
+        held = rng.integers(1, 3000, n).astype(np.float64)
+        table = PeakTable(r, held)
+        order = np.argsort(-r, axis=1, kind="stable")
+        r_sorted = r[np.arange(len(r))[:, None], order]
+        terms = np.arange(1, n + 1) * r_sorted + np.cumsum(held[order], axis=1)
+        peaks = terms.max(axis=1) if n else np.zeros(len(r))
+        assert np.array_equal(table._terms, terms) and np.array_equal(table.peaks, peaks)
+        assert table.peak_tokens == float(peaks.max())
