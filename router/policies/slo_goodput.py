@@ -210,15 +210,17 @@ class SloGoodput:
         # ``OutputLengthHistory(prior, window, num_prior=window // 2, lengths)``'s window:
         # the last ``window`` of the priors followed by the lengths, sorted.
         window = self.history_window
-        recent = [int(v) for v in lengths[-window:]]
-        kept = ([self.prior_output_len] * (window // 2) + recent)[-window:]
-        sorted_h = np.sort(np.array(kept, dtype=np.float64))
+        recent = np.fromiter(lengths[-window:], np.float64)
+        num_prior = max(0, min(window // 2, window - len(recent)))
+        kept = np.concatenate((np.full(num_prior, float(self.prior_output_len)), recent))
+        sorted_h = np.sort(kept)
         self._table.sorted_history = sorted_h
-        # A new request has generated nothing: draw from all of H; the cap is applied per request.
+        # A new request has generated nothing: draw from all of H; the cap is applied per
+        # request. One (g, cap) pair broadcast over every draw: the same values as one each.
         u = self._ring_u.reshape(1, -1)
-        zeros = np.zeros(u.shape[1])
-        uncapped = np.full(u.shape[1], float(sorted_h[-1]) + 1.0)
-        drawn = sample_output_lengths(sorted_h, zeros, uncapped, u)
+        drawn = sample_output_lengths(
+            sorted_h, np.zeros(1), np.array([float(sorted_h[-1]) + 1.0]), u
+        )
         self._ring = drawn.reshape(self._ring_u.shape)
 
     # -- deciding ----------------------------------------------------------------------
