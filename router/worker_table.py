@@ -123,6 +123,7 @@ class WorkerTable:
                 self._rebuild(new)
                 return
         self.workers = new
+        self._draw_tables([new[i] for i in changed])
         for i in changed:
             self._fill_row(i, new[i])
 
@@ -132,6 +133,7 @@ class WorkerTable:
         prefill_ids = [w.worker_id for w in workers if w.role is Role.PREFILL]
         long_ids = long_pool(prefill_ids, self.settings.spatial_long_fraction)
         self.prefix_index.reset([frozenset()] * len(workers))
+        self._draw_tables(workers)
         for i, w in enumerate(workers):
             self.in_long_pool[i] = w.worker_id in long_ids
             self._fill_row(i, w)
@@ -271,6 +273,38 @@ class WorkerTable:
         entries.insert(0, entry)
         del entries[2:]
         return entry
+
+    def _draw_tables(self, workers: Sequence[WorkerView]) -> None:
+        """Draw at once the peak tables that filling these rows, in this order, would
+        draw one by one. The generator fills row-major, in sequence, so one call for all
+        gives each table the numbers its own call would, and a draw is elementwise: the
+        same tables and generator state, for one call of each kind instead of one per
+        table (a decision's sync usually draws two or three)."""
+        colocate = self.settings.colocate_roles
+        history = self.sorted_history
+        due = []
+        for w in workers:
+            if w.role is Role.DECODE or w.role in colocate:
+                entry = self._running_entry(w)
+                if entry.table is None or entry.history is not history:
+                    due.append(entry)
+        if len(due) < 2:
+            return  # ``_peak_table`` draws it, if any
+        num_draws = self.settings.num_draws
+        sizes = [len(e.rows) for e in due]
+        flat = self._rng.random(num_draws * sum(sizes))
+        blocks, start = [], 0
+        for n in sizes:
+            blocks.append(flat[start : start + num_draws * n].reshape(num_draws, n))
+            start += num_draws * n
+        rows = np.concatenate([e.rows for e in due])
+        u = np.concatenate(blocks, axis=1)
+        r = remaining_tokens(history, rows[:, 1], rows[:, 2], u)
+        column = 0
+        for entry, n in zip(due, sizes, strict=True):
+            remaining = r[:, column : column + n]
+            entry.table, entry.history = PeakTable(remaining, entry.rows[:, 0]), history
+            column += n
 
     def _peak_table(self, entry: _RunningEntry) -> PeakTable:
         """Reused while H has not changed."""

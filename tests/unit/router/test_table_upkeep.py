@@ -12,6 +12,7 @@ decides the same.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 from itertools import chain
 
@@ -148,6 +149,9 @@ def _reference_fill_row(t: WorkerTable, i: int, w: WorkerView) -> None:
 
 
 class _ReferenceTable(WorkerTable):
+    def _draw_tables(self, workers: Sequence[WorkerView]) -> None:
+        pass  # the reference draws each row's table as it fills the row
+
     def _fill_row(self, i: int, w: WorkerView) -> None:
         _reference_fill_row(self, i, w)
 
