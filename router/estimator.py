@@ -108,7 +108,7 @@ def sample_output_lengths(
     g = np.asarray(num_generated, dtype=np.float64)
     cap = np.maximum(np.asarray(max_tokens, dtype=np.float64), g)
     m = len(sorted_lengths)
-    lo = np.searchsorted(sorted_lengths, g, side="right")  # first entry longer than g
+    lo = sorted_lengths.searchsorted(g, side="right")  # first entry longer than g
     count = m - lo
     if m == 0 or count.min(initial=1) == 0:
         tail = g + u * (cap - g)  # outran all of H: only the cap bounds it
@@ -181,12 +181,15 @@ class PeakTable:
     def __init__(self, remaining: np.ndarray, held: np.ndarray) -> None:
         num_draws, n = remaining.shape
         self.num_running = n
-        order = np.argsort(-remaining, axis=1, kind="stable")
+        # Methods rather than numpy's module functions, and the last maximum over the
+        # few draws in Python: at a decode worker's size the calls, not the arithmetic,
+        # are the time of a table, and the router draws one per new running set.
+        order = (-remaining).argsort(axis=1, kind="stable")
         self._r = remaining[np.arange(num_draws)[:, None], order]
-        self._c = np.cumsum(np.asarray(held, dtype=np.float64)[order], axis=1)
+        self._c = np.asarray(held, dtype=np.float64)[order].cumsum(axis=1)
         self._terms = np.arange(1, n + 1) * self._r + self._c
         self.peaks: np.ndarray = self._terms.max(axis=1) if n else np.zeros(num_draws)
-        self.peak_tokens = float(self.peaks.max())
+        self.peak_tokens = float(max(self.peaks.tolist()))
         # Built on the first ``peak_with``: most tables are only read for their peak.
         self._cprefix: np.ndarray | None = None
         self._prefmax: np.ndarray | None = None

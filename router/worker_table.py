@@ -28,7 +28,7 @@ from router.cost_model import CostModel, Profile, QuadCoeffs
 from router.estimator import PeakTable, remaining_tokens
 from router.length import SplitMode, long_pool, queue_wait_s
 from router.prefix_index import PrefixIndex
-from router.types import ClusterView, LengthClass, Role, RunningRequest, WorkerView
+from router.types import ClusterView, LengthClass, Role, RunningRequest, StepSample, WorkerView
 
 __all__ = ["TableSettings", "WorkerTable"]
 
@@ -63,6 +63,7 @@ class WorkerTable:
         self._cost_model_for = cost_model_for
         self._rng = rng
         self._last_step_end_s: dict[str, float] = {}
+        self._last_steps: dict[str, tuple[StepSample, ...]] = {}  # the last tuple read
         # Per worker, its two most recent running sets (newest first): a reservation's
         # and, once released, the report's own again (see ``_running_entry``).
         self._running_cache: dict[str, list[_RunningEntry]] = {}
@@ -117,12 +118,13 @@ class WorkerTable:
             return
         # Identity, not equality: a snapshot is a new object whenever anything in it moved.
         moved = np.fromiter(map(operator.is_not, new, old), dtype=bool, count=len(new))
-        changed = np.flatnonzero(moved).tolist()
+        changed = moved.nonzero()[0].tolist()
         for i in changed:
             if new[i].worker_id != old[i].worker_id or new[i].role != old[i].role:
                 self._rebuild(new)
                 return
         self.workers = new
+        self._draw_tables([new[i] for i in changed])
         for i in changed:
             self._fill_row(i, new[i])
 
@@ -132,44 +134,49 @@ class WorkerTable:
         prefill_ids = [w.worker_id for w in workers if w.role is Role.PREFILL]
         long_ids = long_pool(prefill_ids, self.settings.spatial_long_fraction)
         self.prefix_index.reset([frozenset()] * len(workers))
+        self._draw_tables(workers)
         for i, w in enumerate(workers):
             self.in_long_pool[i] = w.worker_id in long_ids
             self._fill_row(i, w)
 
     def _fill_row(self, i: int, w: WorkerView) -> None:
+        # Each value is computed once as a Python float and stored; nothing is read back
+        # from the arrays (a numpy scalar read costs more than the arithmetic on it).
         s = self.settings
+        transfer = s.profile.transfer
+        role = w.role
         model = self._cost_model_for(w.worker_id)
         self._ingest_steps(w, model)
-        self.role[i] = _ROLE_CODES[w.role]
-        self.usable[i] = w.alive and not w.draining
+        usable = w.alive and not w.draining
+        self.role[i] = _ROLE_CODES[role]
+        self.usable[i] = usable
         self.prefix_index.update(i, w.prefix_digest)
-        self.bandwidth[i] = w.link_bandwidth_bytes_per_s or s.profile.transfer.bandwidth_bytes_per_s
+        bandwidth = w.link_bandwidth_bytes_per_s or transfer.bandwidth_bytes_per_s
+        self.bandwidth[i] = bandwidth
         latency_s = w.link_latency_s
-        self.link_latency_s[i] = s.profile.transfer.latency_s if latency_s is None else latency_s
-        self.kv_bytes_per_token[i] = w.kv_bytes_per_token or s.profile.kv_bytes_per_token
+        self.link_latency_s[i] = transfer.latency_s if latency_s is None else latency_s
+        kv_bytes_per_token = w.kv_bytes_per_token or s.profile.kv_bytes_per_token
+        self.kv_bytes_per_token[i] = kv_bytes_per_token
         self.block_size[i] = w.block_size
-        self.queued_tokens[i] = sum(w.queued_tokens.values())
+        queued, counts = w.queued_tokens, w.queued_requests
+        self.queued_tokens[i] = sum(queued.values())
 
         entry = self._running_entry(w)
         held_total = entry.held_total
-        coeffs, queue_coeffs, budget = self._prefill_curve(w, model, held_total)
+        q, queue_coeffs, budget = self._prefill_curve(w, model, held_total)
         p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
-        self.pa[i], self.pb[i], self.pc[i] = (
-            coeffs.a * p_margin,
-            coeffs.b * p_margin,
-            coeffs.c * p_margin,
-        )
+        self.pa[i], self.pb[i], self.pc[i] = q.a * p_margin, q.b * p_margin, q.c * p_margin
         mode = s.split_mode
-        queued, counts, q = w.queued_tokens, w.queued_requests, queue_coeffs
-        short_s = queue_wait_s(q, queued, counts, LengthClass.SHORT, mode, budget)
-        long_s = queue_wait_s(q, queued, counts, LengthClass.LONG, mode, budget)
+        short_s = queue_wait_s(queue_coeffs, queued, counts, LengthClass.SHORT, mode, budget)
+        long_s = queue_wait_s(queue_coeffs, queued, counts, LengthClass.LONG, mode, budget)
         self.wait_short_s[i] = short_s * p_margin
         self.wait_long_s[i] = long_s * p_margin
 
         num_running = len(w.running)
         dec = model.decode_coeffs
         d_margin = 1.0 + (model.decode_error if s.use_error_margin else 0.0)
-        self.step_base_s[i] = (dec.a + dec.b * (num_running + 1) + dec.c * held_total) * d_margin
+        step_base_s = (dec.a + dec.b * (num_running + 1) + dec.c * held_total) * d_margin
+        self.step_base_s[i] = step_base_s
         self.step_per_token_s[i] = dec.c * d_margin
         # Prefilling here (colocated) puts a chunk of up to budget − B tokens into
         # every step the running sequences wait on; 0 where the budget is unknown.
@@ -178,13 +185,14 @@ class WorkerTable:
         # A fit from few mixed steps can make the slope negative: a chunk never makes a
         # step shorter.
         per_token_s = max(0.0, prefill.b) * p_margin
-        chunks = bool(chunk) and w.role is not Role.PREFILL
-        self.chunk_tokens[i] = chunk if chunks else 0
-        self.chunk_s_per_token[i] = per_token_s if chunks else 0.0
-        self.chunk_fixed_s[i] = max(0.0, prefill.a - dec.a) * p_margin if chunks else 0.0
-        self.chunked_step_s[i] = (
-            self.step_base_s[i] + self.chunk_fixed_s[i] + per_token_s * chunk if chunks else 0.0
-        )
+        if chunk and role is not Role.PREFILL:
+            self.chunk_tokens[i] = chunk
+            self.chunk_s_per_token[i] = per_token_s
+            self.chunk_fixed_s[i] = max(0.0, prefill.a - dec.a) * p_margin
+            self.chunked_step_s[i] = step_base_s + self.chunk_fixed_s[i] + per_token_s * chunk
+        else:
+            self.chunk_tokens[i] = self.chunk_s_per_token[i] = self.chunked_step_s[i] = 0.0
+            self.chunk_fixed_s[i] = 0.0
         self.num_running[i] = num_running
         self.max_num_seqs[i] = w.max_num_seqs
         self.held_tokens[i] = held_total
@@ -194,31 +202,32 @@ class WorkerTable:
         free_blocks = w.num_free_blocks if w.num_total_blocks else total_blocks
         capacity = total_blocks * w.block_size
         other = max(0.0, (total_blocks - free_blocks) * w.block_size - held_total)
-        self.limit_tokens[i] = s.memory_fraction * capacity - other
-        self.batch_limit_tokens[i] = s.batch_memory_fraction * capacity - other
+        limit = s.memory_fraction * capacity - other
+        batch_limit = s.batch_memory_fraction * capacity - other
+        self.limit_tokens[i] = limit
+        self.batch_limit_tokens[i] = batch_limit
 
-        if w.role is Role.DECODE or w.role in s.colocate_roles:
+        decode, coloc = role is Role.DECODE, role in s.colocate_roles
+        if decode or coloc:
             table = self._peak_table(entry)
             self.tables[i] = table
-            self.peak_tokens[i] = table.peak_tokens
+            peak = table.peak_tokens
         else:
             self.tables[i] = None
-            self.peak_tokens[i] = 0.0
-        self._derive_row(i, w)
+            peak = 0.0
+        self.peak_tokens[i] = peak
 
-    def _derive_row(self, i: int, w: WorkerView) -> None:
-        s = self.settings
-        usable = bool(self.usable[i])
-        peak, held = self.peak_tokens[i], self.held_tokens[i]
-        limit, batch_limit = self.limit_tokens[i], self.batch_limit_tokens[i]
+        # What every request's checks share.
         self.fullness[i] = peak / limit if limit > 0 else np.inf
-        self.prefill_penalty[i] = 0.0 if usable and w.role is Role.PREFILL else np.inf
-        self.transfer_s_per_token[i] = self.kv_bytes_per_token[i] / self.bandwidth[i]
-        self.stall_per_prefill_s[i] = s.stall_weight * self.num_running[i]
-        self.room_tokens[i], self.batch_room_tokens[i] = limit - held, batch_limit - held
+        self.prefill_penalty[i] = 0.0 if usable and role is Role.PREFILL else np.inf
+        self.transfer_s_per_token[i] = kv_bytes_per_token / bandwidth
+        self.stall_per_prefill_s[i] = s.stall_weight * num_running
+        self.room_tokens[i], self.batch_room_tokens[i] = (
+            limit - held_total,
+            batch_limit - held_total,
+        )
         self.slack_tokens[i], self.batch_slack_tokens[i] = limit - peak, batch_limit - peak
-        seat = usable and self.num_running[i] < self.max_num_seqs[i]
-        decode, coloc = w.role is Role.DECODE, w.role in s.colocate_roles
+        seat = usable and num_running < w.max_num_seqs
         self.decode_ok[i] = seat and decode and peak < limit
         self.coloc_ok[i] = seat and coloc and peak < limit
         self.batch_decode_ok[i] = seat and decode and peak < batch_limit
@@ -255,16 +264,48 @@ class WorkerTable:
         reservation released (the router then shows the report's own tuple again), finds
         the rows and draws it had; only a new running set is drawn afresh."""
         entries = self._running_cache.setdefault(w.worker_id, [])
+        running = w.running
         for k, entry in enumerate(entries):
-            if entry.running is w.running:
+            if entry.running is running:
                 if k:
                     entries.insert(0, entries.pop(k))
                 return entry
-        rows = _running_rows(w.running)
-        entry = _RunningEntry(w.running, rows, float(rows[:, 0].sum()))
+        entry = _extended(entries, running) or _new_entry(running)
         entries.insert(0, entry)
         del entries[2:]
         return entry
+
+    def _draw_tables(self, workers: Sequence[WorkerView]) -> None:
+        """Draw at once the peak tables that filling these rows, in this order, would
+        draw one by one. The generator fills row-major, in sequence, so one call for all
+        gives each table the numbers its own call would, and a draw is elementwise: the
+        same tables and generator state, for one call of each kind instead of one per
+        table (a decision's sync usually draws two or three)."""
+        colocate = self.settings.colocate_roles
+        history = self.sorted_history
+        due = []
+        for w in workers:
+            if w.role is Role.DECODE or w.role in colocate:
+                entry = self._running_entry(w)
+                if entry.table is None or entry.history is not history:
+                    due.append(entry)
+        if len(due) < 2:
+            return  # ``_peak_table`` draws it, if any
+        num_draws = self.settings.num_draws
+        sizes = [len(e.rows) for e in due]
+        flat = self._rng.random(num_draws * sum(sizes))
+        blocks, start = [], 0
+        for n in sizes:
+            blocks.append(flat[start : start + num_draws * n].reshape(num_draws, n))
+            start += num_draws * n
+        rows = np.concatenate([e.rows for e in due])
+        u = np.concatenate(blocks, axis=1)
+        r = remaining_tokens(history, rows[:, 1], rows[:, 2], u)
+        column = 0
+        for entry, n in zip(due, sizes, strict=True):
+            remaining = r[:, column : column + n]
+            entry.table, entry.history = PeakTable(remaining, entry.rows[:, 0]), history
+            column += n
 
     def _peak_table(self, entry: _RunningEntry) -> PeakTable:
         """Reused while H has not changed."""
@@ -277,9 +318,13 @@ class WorkerTable:
         return entry.table
 
     def _ingest_steps(self, w: WorkerView, model: CostModel) -> None:
+        steps = w.recent_steps
+        if self._last_steps.get(w.worker_id) is steps:
+            return  # the same tuple: every sample in it was seen
+        self._last_steps[w.worker_id] = steps
         last = self._last_step_end_s.get(w.worker_id, -np.inf)
         newest = last
-        for sample in w.recent_steps:
+        for sample in steps:
             if sample.end_s > last:
                 model.observe(sample)
                 newest = max(newest, sample.end_s)
@@ -304,6 +349,28 @@ class _RunningEntry:
     held_total: float
     table: PeakTable | None = None  # drawn against ``history``
     history: np.ndarray | None = None
+
+
+def _new_entry(running: tuple[RunningRequest, ...]) -> _RunningEntry:
+    rows = _running_rows(running)
+    return _RunningEntry(running, rows, float(rows[:, 0].sum()))
+
+
+def _extended(
+    entries: Sequence[_RunningEntry], running: tuple[RunningRequest, ...]
+) -> _RunningEntry | None:
+    """A cached set with requests appended (the router adds a reservation at the end of
+    the report's tuple): its rows plus the new ones' rows, without re-reading the rest.
+    Tokens are integers, so the sums are exact in any order: the same rows and total
+    as ``_new_entry``."""
+    for entry in entries:
+        old = entry.running
+        n = len(old)
+        if n < len(running) and running[:n] == old:
+            tail = _running_rows(running[n:])
+            rows = np.concatenate((entry.rows, tail))
+            return _RunningEntry(running, rows, entry.held_total + float(tail[:, 0].sum()))
+    return None
 
 
 def _running_rows(running: Sequence[RunningRequest]) -> np.ndarray:

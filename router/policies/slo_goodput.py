@@ -227,16 +227,18 @@ class SloGoodput:
         # ``OutputLengthHistory(prior, window, num_prior=window // 2, lengths)``'s window:
         # the last ``window`` of the priors followed by the lengths, sorted.
         window = self.history_window
-        recent = [int(v) for v in lengths[-window:]]
-        kept = ([self.prior_output_len] * (window // 2) + recent)[-window:]
-        sorted_h = np.sort(np.array(kept, dtype=np.float64))
+        recent = np.fromiter(lengths[-window:], np.float64)
+        num_prior = max(0, min(window // 2, window - len(recent)))
+        kept = np.concatenate((np.full(num_prior, float(self.prior_output_len)), recent))
+        sorted_h = np.sort(kept)
         self._table.sorted_history = sorted_h
         self._mean_output_len = max(1.0, float(sorted_h.mean()))
-        # A new request has generated nothing: draw from all of H; the cap is applied per request.
+        # A new request has generated nothing: draw from all of H; the cap is applied per
+        # request. One (g, cap) pair broadcast over every draw: the same values as one each.
         u = self._ring_u.reshape(1, -1)
-        zeros = np.zeros(u.shape[1])
-        uncapped = np.full(u.shape[1], float(sorted_h[-1]) + 1.0)
-        drawn = sample_output_lengths(sorted_h, zeros, uncapped, u)
+        drawn = sample_output_lengths(
+            sorted_h, np.zeros(1), np.array([float(sorted_h[-1]) + 1.0]), u
+        )
         self._ring = drawn.reshape(self._ring_u.shape)
 
     # -- deciding ----------------------------------------------------------------------
@@ -274,7 +276,7 @@ class SloGoodput:
         # memory bounds of the past-future peak (see ``_pick``).
         held_q = float(profile.num_prompt_tokens + profile.num_image_tokens)
         r_q = np.maximum(np.minimum(self._next_candidate(), profile.max_tokens) - 1.0, 0.0)
-        r_q_max = float(r_q.max())
+        r_q_max = max(r_q.tolist())  # a handful of draws: cheaper than a numpy reduction
         tpot_pred = t.step_base_s + t.step_per_token_s * held_q
         if batch:
             room, slack, limit = t.batch_room_tokens, t.batch_slack_tokens, t.batch_limit_tokens
@@ -288,7 +290,7 @@ class SloGoodput:
         # Disaggregated: the best prefill worker, then the emptiest feasible decode worker.
         best: tuple[float, Plan] | None = None
         score = ttft_local + t.transfer_s_per_token * held_q + self._prefill_penalty(t, is_long)
-        p = int(np.argmin(score))
+        p = int(score.argmin())
         if score[p] < np.inf:
             kv_bytes = held_q * t.kv_bytes_per_token[p]
             ttft_pair = ttft_local[p] + kv_bytes / np.minimum(t.bandwidth[p], t.bandwidth)
@@ -357,7 +359,8 @@ class SloGoodput:
             return float(max(1, effective_prefill_tokens(profile)))
         matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
         total = profile.num_prompt_tokens + profile.num_image_tokens
-        n = np.full(len(t.role), float(total))
+        n = np.empty(len(t.role))
+        n.fill(float(total))
         if matched:
             index = np.fromiter(matched.keys(), dtype=np.intp, count=len(matched))
             blocks = np.fromiter(matched.values(), dtype=np.float64, count=len(matched))
@@ -428,12 +431,12 @@ class SloGoodput:
         best, best_pref = -1, -np.inf
         fits = ok & sure
         if fits.any():
-            best = int(np.argmax(np.where(fits, preference, -np.inf)))
+            best = int(np.where(fits, preference, -np.inf).argmax())
             best_pref = float(preference[best])
-        better = np.flatnonzero(ok & (preference > best_pref))
+        better = (ok & (preference > best_pref)).nonzero()[0]
         if better.size:
             better = better[~sure[better]]
-            order = better[np.argsort(-preference[better], kind="stable")]
+            order = better[(-preference[better]).argsort(kind="stable")]
             for i in order[: self.max_exact_checks]:
                 table = self._table.tables[i]
                 if table is not None and table.peak_with(held_q, r_q) < limit[i]:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from router.cost_model import DEFAULT_PROFILE, CostModel
-from router.estimator import OutputLengthHistory
+from router.estimator import OutputLengthHistory, sample_output_lengths
 from router.front_door import Router, RouterSettings
 from router.policies.slo_goodput import SloGoodput
 from router.types import LengthClass, Plan, RequestProfile, Role, RunningRequest, StepSample
@@ -82,6 +82,12 @@ def test_the_policys_history_is_the_output_length_history_it_replaced(count: int
         lengths=lengths[-window:],
     ).sorted_lengths()
     assert np.array_equal(policy._table.sorted_history, expected)
+    # The candidates' ring as the replaced code drew it: one (g, cap) pair per draw.
+    u = policy._ring_u.reshape(1, -1)
+    zeros = np.zeros(u.shape[1])
+    uncapped = np.full(u.shape[1], float(expected[-1]) + 1.0)
+    ring = sample_output_lengths(expected, zeros, uncapped, u).reshape(policy._ring_u.shape)
+    assert np.array_equal(policy._ring, ring)
 
 
 def _snapshot(rng: random.Random, wid: str, role: Role, seq: int) -> WorkerSnapshot:
