@@ -35,6 +35,9 @@ OpenMP threads show as ``native:ray::IDLE`` (engine compute), and ``native:worke
 and the ``poll`` threads are Ray's transport. The load client's process is reported apart. A thread that spins waiting for
 the GIL is charged where it waits; and a stage is known only at sample times, so
 shares are estimates (the finer ``--interval-ms``, the better), the totals are not.
+``runqueue_wait_s`` is, per thread (by name), the time it was ready to run but waited
+for a core (/proc schedstat): on a shared machine the engine thread's wait is what the
+other processes took from the engine, which its CPU time does not show.
 Prints one JSON object.
 """
 
@@ -137,6 +140,18 @@ def _native_threads_cpu_s() -> dict[int, tuple[str, float]]:
     return out
 
 
+def _threads_run_delay_s() -> dict[int, float]:
+    """Every thread of this process: tid -> seconds it waited on a run queue so far."""
+    out: dict[int, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()
+        except OSError:
+            continue  # ended meanwhile, or no schedstat in this kernel
+        out[int(tid)] = int(fields[1]) / 1e9
+    return out
+
+
 class StackSampler:
     """Charges each Python thread's CPU time, interval by interval, to the stage its
     stack shows; threads without Python frames (torch's OpenMP workers, Ray's core
@@ -150,18 +165,26 @@ class StackSampler:
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
         self._cpu0_s = 0.0
         self._native0: dict[int, tuple[str, float]] = {}
+        self._delay0: dict[int, float] = {}
 
     def start(self) -> None:
         self._cpu0_s = time.process_time()
         self._native0 = _native_threads_cpu_s()
+        self._delay0 = _threads_run_delay_s()
         self._thread.start()
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
         self._thread.join()
-        python_tids = {t.native_id for t in threading.enumerate()}
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        python_tids = set(names)
         native: Counter[str] = Counter()
-        for tid, (name, cpu_s) in _native_threads_cpu_s().items():
+        native_now = _native_threads_cpu_s()
+        waits: Counter[str] = Counter()
+        for tid, delay_s in _threads_run_delay_s().items():
+            name = names.get(tid) or f"native:{native_now.get(tid, ('?', 0.0))[0]}"
+            waits[name] += delay_s - self._delay0.get(tid, 0.0)
+        for tid, (name, cpu_s) in native_now.items():
             if tid not in python_tids:
                 native[f"native:{name}"] += cpu_s - self._native0.get(tid, (name, 0.0))[1]
         return {
@@ -169,6 +192,7 @@ class StackSampler:
             "stages": dict(self.cpu_s),
             "native": {k: v for k, v in native.items() if v > 0},
             "unnamed_top": {k: round(v, 3) for k, v in self.unnamed_s.most_common(6)},
+            "runqueue_wait_s": {k: round(v, 3) for k, v in waits.most_common(4) if v >= 0.01},
         }
 
     def _run(self) -> None:
@@ -337,6 +361,7 @@ def _report(
             for name, p in processes.items()
         },
         "unnamed_top": {name: p["unnamed_top"] for name, p in processes.items()},
+        "runqueue_wait_s": {name: p["runqueue_wait_s"] for name, p in processes.items()},
         "share": {k: round(v / served_cpu_s, 3) for k, v in cpu_s.most_common()},
         "cpu_ms_per_output_token": round(1e3 * served_cpu_s / max(1, num_tokens), 3),
         "transport_messages": num_messages if args.workers == "ray" else None,
