@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from services.workers.messages import (
@@ -65,6 +65,10 @@ class Outbox:
         self.request_ids: set[str] = set()  # submitted, not yet final
         self._pending: list[WorkerEvent] = []
         self._wake = asyncio.Event()
+        # A carrier that can send without waiting (a socket with room in its buffers)
+        # sends at the wake, in the same event-loop turn, instead of waking a sender task
+        # for it; False means "not now", and the sender task takes the batch.
+        self.send_now: Callable[[EventBatch], bool] | None = None
 
     def put(self, event: WorkerEvent) -> None:
         """Queue ``event``; the caller calls ``wake`` once after a step's events."""
@@ -73,6 +77,10 @@ class Outbox:
             self.request_ids.discard(event.request_id)
 
     def wake(self) -> None:
+        send_now = self.send_now
+        if send_now is not None and self._pending and send_now(EventBatch(tuple(self._pending))):
+            self._pending = []
+            return
         self._wake.set()
 
     async def next_batch(self) -> EventBatch:

@@ -24,10 +24,11 @@ Failure, exactly as on the Ray channel (``services/workers/channel.py``):
   aborts every request of that connection still running, freeing their blocks.
 * The worker dies: the gateway reads EOF at once, and every registered request gets
   ``ChannelClosed`` (the client raises ``WorkerDiedError``).
-* Backpressure: the worker writes a batch and, when the socket's buffers are full,
-  waits for them to drain before the next; meanwhile the outbox gathers the steps'
-  events into one batch (nothing lost, one message). A gateway that reads nothing for
-  ``send_stall_s`` counts as gone.
+* Backpressure: the worker writes a step's batch at once while nothing waits in the
+  socket's buffer (``Outbox.send_now``); otherwise its sender task waits for the
+  buffer to drain, and meanwhile the outbox gathers the steps' events into one batch
+  (nothing lost, one message). A gateway that reads nothing for ``send_stall_s``
+  counts as gone.
 * Nothing waits forever: the connect, the handshake (both sides) and a stalled send
   each have a deadline.
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import itertools
 import logging
@@ -205,6 +207,7 @@ class ChannelServer:
         self, subscriber: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         outbox = self._host.open_outbox(subscriber)
+        outbox.send_now = functools.partial(_send_now, writer)
         receiving = asyncio.create_task(self._receive(subscriber, reader))
         sending = asyncio.create_task(self._send(outbox, writer))
         try:
@@ -235,6 +238,14 @@ class ChannelServer:
             writer.write(_frame(await outbox.next_batch()))
             if transport.get_write_buffer_size():  # the kernel's buffer is full: wait
                 await asyncio.wait_for(writer.drain(), self._send_stall_s)
+
+
+def _send_now(writer: asyncio.StreamWriter, batch: EventBatch) -> bool:
+    """Write ``batch`` if nothing is waiting to go out before it (else the sender task will)."""
+    if writer.transport.get_write_buffer_size() or writer.is_closing():
+        return False
+    writer.write(_frame(batch))
+    return True
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:
