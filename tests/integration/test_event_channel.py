@@ -13,6 +13,7 @@ from services.engine.messages import EngineRequest, FinishReason, SamplingParams
 from services.workers.actor import launch_ray_worker
 from services.workers.client import RayWorkerClient, Transport, WorkerDiedError
 from services.workers.messages import Generate, TokenDelta
+from services.workers.socket_channel import SocketChannel
 from services.workers.worker import WorkerSpec
 
 pytestmark = [pytest.mark.ray]
@@ -92,3 +93,24 @@ def test_a_worker_killed_mid_stream_fails_every_stream_with_worker_died(
     assert all(isinstance(r, WorkerDiedError) for r in results), results
     if transport == "socket":  # found from the socket's EOF at once, not from Ray or a timeout
         assert all("ConnectionResetError" in str(r) for r in results), results
+
+
+def test_a_socket_that_cannot_be_reached_falls_back_to_the_ray_channel(
+    ray_cluster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unreachable(*args: object, **kwargs: object) -> SocketChannel:
+        raise ConnectionRefusedError("no route to the worker's channel")
+
+    monkeypatch.setattr(SocketChannel, "connect", unreachable)
+    client = launch("channel-fallback")
+
+    async def run() -> list[int]:
+        await client.ping()
+        return await tokens_of(client, "r0")
+
+    try:
+        tokens = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        client.kill()
+    assert client.transport == "ray"
+    assert len(tokens) == NUM_TOKENS
