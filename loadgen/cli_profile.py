@@ -3,7 +3,11 @@
 Prefill: one request at a time, two output tokens, distinct prompts (so no
 prefix-cache hits) of several lengths, each after ``--idle-s`` of quiet (a
 request of a light load finds the server idle; one sent the moment the last
-finished rides on threads still awake and reads 10-40% fast); the median TTFT per length is fitted
+finished rides on threads still awake and reads 10-40% fast), stretched at random up
+to twice that (so that probes do not fall in step with a worker's periodic telemetry,
+whose period restarts at each request's finish: a fixed 0.1 s idle made every probe
+land on a snapshot being published, 10.5 vs 8 ms TTFT, which live traffic does not
+pay); the median TTFT per length is fitted
 to ``a + b·n + c·n²``, and the median gap between the two tokens is the
 hand-off (see ``_fit_transfer_latency``). Decode: ``B`` concurrent requests
 with prompts of ``L`` tokens, run twice, generating ``T`` and then ``2T``
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -105,6 +110,14 @@ def fit_robust(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
     return coeffs
 
 
+_JITTER = random.Random(0)
+
+
+async def _quiet(idle_s: float) -> None:
+    """Idle for ``idle_s`` to twice that, at random (see the module docstring)."""
+    await asyncio.sleep(idle_s * _JITTER.uniform(1.0, 2.0))
+
+
 async def _prefill_points(
     client: httpx.AsyncClient,
     url: str,
@@ -122,7 +135,7 @@ async def _prefill_points(
         ttfts: list[float] = []
         gaps: list[float] = []
         for r in range(repeats + 1):  # the first of each length warms up
-            await asyncio.sleep(idle_s)
+            await _quiet(idle_s)
             # Two tokens, so the probe takes a real request's path (prefill-only, hold,
             # first token streamed while decode is planned); TTFT is its first event.
             spec = RequestSpec(f"profile-prefill-{n}-{r}-{time.time_ns()}", 0.0, n, 2)
@@ -159,7 +172,7 @@ async def _decode_points(
             )
             for i in range(batch)
         ]
-        await asyncio.sleep(idle_s)
+        await _quiet(idle_s)
         start = time.perf_counter()
         recs = await asyncio.gather(
             *(send_request(client, url, kind, model, s, start) for s in specs)  # type: ignore[arg-type]

@@ -1,19 +1,23 @@
 """One event stream per (worker, gateway): every engine step's events in one message.
 
-A Ray streaming item costs about a millisecond of CPU on each side, so a stream
-per request pays that once per token per request. Instead each gateway opens
-one channel per worker and the worker sends it one ``EventBatch`` per engine
-step, carrying the new tokens of every request of that gateway (as vLLM's
-engine core sends its outputs). Both ends live here::
+A message costs a transport hop on each side (about a millisecond of CPU for a Ray
+streaming item, tens of microseconds for a socket frame), so a stream per request
+would pay that once per token per request. Instead each gateway opens one channel
+per worker and the worker sends it one ``EventBatch`` per engine step, carrying the
+new tokens of every request of that gateway (as vLLM's engine core sends its
+outputs). The two ends, whatever carries the batches between them::
 
     worker side   Outbox           events of one subscriber, gathered between sends
     gateway side  EventDemux       one channel's batches, split into per-request queues
 
+The carriers: a direct TCP socket (``services/workers/socket_channel.py``, the
+default) or a Ray streaming call of ``Worker.events`` (the fallback).
+
 Call order (gateway)::
 
-    demux = EventDemux(batches, subscriber)  batches: the worker's ``events(subscriber)``
+    demux = EventDemux(batches, subscriber)  batches: the carrier's messages
     queue = demux.register(request_id)     before the job is submitted
-    ... worker.submit(subscriber, job) ...
+    ... submit the job (a socket frame, or worker.submit(subscriber, job)) ...
     event = await queue.get()              a WorkerEvent, or a ChannelClosed
     demux.unregister(request_id)
 
@@ -26,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from services.workers.messages import (
@@ -61,6 +65,10 @@ class Outbox:
         self.request_ids: set[str] = set()  # submitted, not yet final
         self._pending: list[WorkerEvent] = []
         self._wake = asyncio.Event()
+        # A carrier that can send without waiting (a socket with room in its buffers)
+        # sends at the wake, in the same event-loop turn, instead of waking a sender task
+        # for it; False means "not now", and the sender task takes the batch.
+        self.send_now: Callable[[EventBatch], bool] | None = None
 
     def put(self, event: WorkerEvent) -> None:
         """Queue ``event``; the caller calls ``wake`` once after a step's events."""
@@ -69,6 +77,10 @@ class Outbox:
             self.request_ids.discard(event.request_id)
 
     def wake(self) -> None:
+        send_now = self.send_now
+        if send_now is not None and self._pending and send_now(EventBatch(tuple(self._pending))):
+            self._pending = []
+            return
         self._wake.set()
 
     async def next_batch(self) -> EventBatch:

@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from router.types import Role
 from services.workers.channel import ChannelClosed, Coalesced, EventDemux, is_final
 from services.workers.messages import EventBatch, Job, WorkerEvent, WorkerSnapshot
+from services.workers.socket_channel import SocketChannel
 from services.workers.worker import Worker
 
-__all__ = ["InProcessWorkerClient", "RayWorkerClient", "WorkerClient", "WorkerDiedError"]
+__all__ = [
+    "InProcessWorkerClient",
+    "RayWorkerClient",
+    "Transport",
+    "WorkerClient",
+    "WorkerDiedError",
+]
+
+log = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -84,40 +94,62 @@ class InProcessWorkerClient:
         self.worker.stop_now()
 
 
-# A channel (and a telemetry stream) waits once this many items are unread. This is how
-# a worker learns that a gateway process died: the wait fails, the worker's ``events``
+# A Ray channel (and a telemetry stream) waits once this many items are unread. This is
+# how a worker learns that a gateway process died: the wait fails, the worker's ``events``
 # generator is closed, and its ``finally`` aborts that gateway's requests and frees their
 # blocks (without a bound, Ray would keep the generator running for a consumer that is
 # gone). Nothing is lost while it waits: the outbox gathers queued events into one batch.
 _UNREAD_BATCHES = 8
+_CONNECT_TIMEOUT_S = 5.0  # the socket channel's connect, and the worker's answer to it
+
+Transport = Literal["socket", "ray"]
+
+
+class _Channel(Protocol):
+    demux: EventDemux
+
+    @property
+    def closed(self) -> bool: ...
+
+    def submit(self, job: Job) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class RayWorkerClient:
     """Calls a ``Worker`` Ray actor.
 
     Token events of every request this client runs on the actor arrive through one
-    channel (a streaming call of ``Worker.events``): one message per engine step,
-    split into per-request streams here (``EventDemux``). The channel is opened on
-    first use in each event loop; a channel that breaks fails its requests with
-    ``WorkerDiedError``, and the next request opens a new one.
+    channel: one message per engine step, split into per-request streams here
+    (``EventDemux``). The channel is a direct TCP connection to the worker
+    (``services/workers/socket_channel.py``), found through a Ray call; with
+    ``transport="ray"``, or when the socket cannot be reached, it is a Ray streaming
+    call of ``Worker.events`` instead. It is opened on first use in each event loop; a
+    channel that breaks fails its requests with ``WorkerDiedError``, and the next request
+    opens a new one. Control calls (snapshot, set_role, telemetry...) always go through Ray.
     """
 
-    def __init__(self, worker_id: str, actor: Any) -> None:
+    def __init__(self, worker_id: str, actor: Any, transport: Transport = "socket") -> None:
         self.worker_id = worker_id
         self.actor = actor
-        self._demux: EventDemux | None = None
-        self._demux_loop: asyncio.AbstractEventLoop | None = None
+        self.transport: Transport = transport  # of the channel now open ("ray" after a fallback)
+        self._wanted: Transport = transport
+        self._channel: _Channel | None = None
+        self._channel_loop: asyncio.AbstractEventLoop | None = None
+        self._opening: asyncio.Task[_Channel] | None = None
 
     @property
     def num_messages(self) -> int:
         """Transport messages received on the current channel (for tests and benchmarks)."""
-        return self._demux.num_batches if self._demux is not None else 0
+        return self._channel.demux.num_batches if self._channel is not None else 0
 
     async def generate(self, job: Job) -> AsyncIterator[WorkerEvent]:
-        demux = self._channel()
+        channel = await self._open_channel()
         request_id = job.request.request_id
-        events = demux.register(request_id)
-        self.actor.submit.remote(demux.subscriber, job)
+        events = channel.demux.register(request_id)
+        channel.submit(job)
         reader = Coalesced(events)
         finished = False
         try:
@@ -128,34 +160,54 @@ class RayWorkerClient:
                 finished = is_final(event)
                 yield event
         finally:
-            demux.unregister(request_id)
+            channel.demux.unregister(request_id)
             if not finished:
-                self.abort(request_id)
+                channel.abort(request_id)
 
-    def _channel(self) -> EventDemux:
+    async def _open_channel(self) -> _Channel:
+        """This event loop's channel: the open one, or one opened now (once, however many
+        requests ask at the same time)."""
         loop = asyncio.get_running_loop()
-        demux = self._demux
-        if demux is None or demux.closed or self._demux_loop is not loop:
-            subscriber = f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            demux = EventDemux(self._batches(subscriber), subscriber)
-            self._demux, self._demux_loop = demux, loop
-        return demux
+        channel = self._channel
+        if channel is not None and not channel.closed and self._channel_loop is loop:
+            return channel
+        opening = self._opening
+        if opening is None or opening.get_loop() is not loop:
+            opening = self._opening = loop.create_task(self._connect())
+        return await asyncio.shield(opening)
 
-    async def _batches(self, subscriber: str) -> AsyncIterator[EventBatch]:
+    async def _connect(self) -> _Channel:
         import ray
 
-        stream = self.actor.events.options(
-            num_returns="streaming", _generator_backpressure_num_objects=_UNREAD_BATCHES
-        ).remote(subscriber)
+        subscriber = f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        channel: _Channel | None = None
         try:
-            async for ref in stream:
-                yield await _value(ref)
+            if self._wanted == "socket":
+                try:
+                    address = await self.actor.channel_address.remote()
+                    channel = await SocketChannel.connect(address, subscriber, _CONNECT_TIMEOUT_S)
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerDiedError(self.worker_id, type(e).__name__) from e
+                except (OSError, TimeoutError) as e:
+                    log.warning(
+                        "worker %s: no socket channel (%r); events go through Ray",
+                        self.worker_id,
+                        e,
+                    )
+            if channel is None:
+                channel = _RayChannel(self.actor, subscriber)
+            self.transport = "socket" if isinstance(channel, SocketChannel) else "ray"
+            self._channel, self._channel_loop = channel, asyncio.get_running_loop()
+            return channel
         finally:
-            with contextlib.suppress(Exception):
-                ray.cancel(stream)
+            self._opening = None
 
     def abort(self, request_id: str) -> None:
-        self.actor.abort.remote(request_id)
+        channel = self._channel
+        if channel is not None and not channel.closed:
+            channel.abort(request_id)
+        else:  # e.g. a held prefill's blocks, after its channel broke
+            self.actor.abort.remote(request_id)
 
     async def telemetry(self) -> AsyncIterator[WorkerSnapshot]:
         import ray
@@ -193,17 +245,52 @@ class RayWorkerClient:
         return result
 
     async def shutdown(self) -> None:
-        if self._demux is not None:
-            self._demux.close()
+        if self._channel is not None:
+            self._channel.close()
         await self._call("shutdown")
 
     def kill(self) -> None:
         import ray
 
-        if self._demux is not None:
-            self._demux.close()
+        if self._channel is not None:
+            self._channel.close()
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
+
+
+class _RayChannel:
+    """The channel through Ray: a streaming call of ``Worker.events`` in, actor calls out."""
+
+    def __init__(self, actor: Any, subscriber: str) -> None:
+        self._actor = actor
+        self._subscriber = subscriber
+        self.demux = EventDemux(self._batches(), subscriber)
+
+    @property
+    def closed(self) -> bool:
+        return self.demux.closed
+
+    def submit(self, job: Job) -> None:
+        self._actor.submit.remote(self._subscriber, job)
+
+    def abort(self, request_id: str) -> None:
+        self._actor.abort.remote(request_id)
+
+    def close(self) -> None:
+        self.demux.close()
+
+    async def _batches(self) -> AsyncIterator[EventBatch]:
+        import ray
+
+        stream = self._actor.events.options(
+            num_returns="streaming", _generator_backpressure_num_objects=_UNREAD_BATCHES
+        ).remote(self._subscriber)
+        try:
+            async for ref in stream:
+                yield await _value(ref)
+        finally:
+            with contextlib.suppress(Exception):
+                ray.cancel(stream)
 
 
 async def _value(ref: Any) -> Any:

@@ -10,10 +10,19 @@ Call order seen from the gateway::
     async for event in worker.generate(Generate(req) | Continue(req, handle)): ...
     worker.abort(request_id)                       any time; idempotent
 
-or, across a process boundary, one channel per gateway (services/workers/channel.py)::
+or, across a process boundary, one channel per gateway (services/workers/channel.py),
+on a direct socket (services/workers/socket_channel.py: the default)::
+
+    address = await worker.channel_address()       connect, prove address.secret, then
+                                                   Submit / Abort out, EventBatch in
+
+or through Ray (the fallback)::
 
     async for batch in worker.events(subscriber): ...   EventBatch per engine step
     await worker.submit(subscriber, job)                its events go to that channel
+
+and for control, always through Ray::
+
     async for snapshot in worker.telemetry(): ...  one subscription per gateway
     await worker.set_role(Role.DECODE)             drains in-flight requests first
 """
@@ -39,6 +48,7 @@ from services.workers.messages import (
     WorkerEvent,
     WorkerSnapshot,
 )
+from services.workers.socket_channel import ChannelAddress, ChannelServer, node_ip_address
 
 __all__ = ["EngineStalledError", "Worker", "WorkerSpec"]
 
@@ -80,6 +90,8 @@ class Worker:
         self._outboxes: dict[str, Outbox] = {}  # subscriber -> its channel's outbox
         self._owners: dict[str, Outbox] = {}  # request_id -> the outbox of its channel
         self._subscribers: set[asyncio.Event] = set()
+        self._server: ChannelServer | None = None  # the socket channel, opened on first ask
+        self._preparing: set[asyncio.Task[None]] = set()
         self._latest: WorkerSnapshot | None = None
         self._loop = EngineLoop(
             spec.worker_id,
@@ -121,44 +133,77 @@ class Worker:
             if not finished:  # the consumer went away (client hung up, cancelled)
                 self._loop.abort(request_id)
 
-    async def events(self, subscriber: str) -> AsyncIterator[EventBatch]:
-        """One gateway's channel: a batch of events per engine step, for every request
-        that gateway ``submit``-ted here. Ending it (the gateway went away) aborts them."""
+    async def channel_address(self) -> ChannelAddress:
+        """Where this worker's socket channel listens, and its secret (it starts listening
+        on the first call, on this worker's event loop)."""
         self._bind()
-        outbox = self._outbox(subscriber)
+        if self._server is None:
+            self._server = ChannelServer(self, node_ip_address())
+        return await self._server.start()
+
+    async def events(self, subscriber: str) -> AsyncIterator[EventBatch]:
+        """One gateway's channel through Ray: a batch of events per engine step, for every
+        request that gateway ``submit``-ted here. Ending it (the gateway went away) aborts
+        them."""
+        self._bind()
+        outbox = self.open_outbox(subscriber)
         try:
             while True:
                 yield await outbox.next_batch()
         finally:
-            self._outboxes.pop(subscriber, None)
-            for request_id in list(outbox.request_ids):
-                self._owners.pop(request_id, None)
-                self._loop.abort(request_id)
+            self.close_outbox(subscriber)
 
     async def submit(self, subscriber: str, job: Job) -> None:
         """Run ``job``; its events go to ``subscriber``'s channel (``events``)."""
+        preparing = self._own_and_submit(subscriber, job)
+        if preparing is not None:
+            await asyncio.shield(preparing)
+
+    def submit_soon(self, subscriber: str, job: Job) -> None:
+        """``submit`` without waiting: the request is owned by ``subscriber`` when this
+        returns, so an abort read right after it finds it. A grammar compiles off the loop."""
+        self._own_and_submit(subscriber, job)
+
+    def _own_and_submit(self, subscriber: str, job: Job) -> asyncio.Task[None] | None:
         self._bind()
         request_id = job.request.request_id
-        outbox = self._outbox(subscriber)
+        outbox = self.open_outbox(subscriber)
         outbox.request_ids.add(request_id)
         self._owners[request_id] = outbox
-        if self._prepare is not None and job.request.sampling.structured is not None:
-            try:
-                await asyncio.to_thread(self._prepare, job.request)
-            except InvalidRequestError as e:
-                self._route_events(
-                    (RequestFailed(request_id, FailureKind.INVALID, str(e), e.param),)
-                )
-                return
+        if self._prepare is None or job.request.sampling.structured is None:
+            self._loop.submit(job)
+            return None
+        task = asyncio.get_running_loop().create_task(self._prepare_then_submit(job))
+        self._preparing.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._preparing.discard)
+        return task
+
+    async def _prepare_then_submit(self, job: Job) -> None:
+        request_id = job.request.request_id
+        assert self._prepare is not None
+        try:
+            await asyncio.to_thread(self._prepare, job.request)
+        except InvalidRequestError as e:
+            self._route_events((RequestFailed(request_id, FailureKind.INVALID, str(e), e.param),))
+            return
         if request_id in self._owners:  # not aborted while its grammar compiled
             self._loop.submit(job)
 
-    def _outbox(self, subscriber: str) -> Outbox:
+    def open_outbox(self, subscriber: str) -> Outbox:
         # ``submit`` may run before ``events`` (two calls racing): whichever comes first makes it.
         outbox = self._outboxes.get(subscriber)
         if outbox is None:
             outbox = self._outboxes[subscriber] = Outbox()
         return outbox
+
+    def close_outbox(self, subscriber: str) -> None:
+        """The subscriber's channel ended (the gateway went away): abort its requests."""
+        outbox = self._outboxes.pop(subscriber, None)
+        if outbox is None:
+            return
+        for request_id in list(outbox.request_ids):
+            self._owners.pop(request_id, None)
+            self._loop.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks, held ones included. Idempotent."""
@@ -222,11 +267,17 @@ class Worker:
         return role
 
     async def shutdown(self) -> None:
+        self._close_server()
         self._loop.stop()
+
+    def _close_server(self) -> None:
+        if self._server is not None and self._aio is not None and not self._aio.is_closed():
+            self._aio.call_soon_threadsafe(self._server.close)
 
     def stop_now(self) -> None:
         """Stop without draining (the controller gave up on this worker): every open
         stream ends with a failure, so its request is re-placed, not left waiting."""
+        self._close_server()
         self._loop.stop()
         for request_id, stream in list(self._streams.items()):
             stream.put_nowait(

@@ -1,4 +1,5 @@
-"""A Ray worker's events reach the gateway as one message per engine step, not per token."""
+"""A Ray worker's events reach the gateway as one message per engine step, not per token,
+over the transport that serves (the socket channel; the Ray channel as its fallback)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from router.types import Role
 from services.backends.fake import FakeEngine, FakeTokenizer
 from services.engine.messages import EngineRequest, FinishReason, SamplingParams
 from services.workers.actor import launch_ray_worker
-from services.workers.client import RayWorkerClient, WorkerDiedError
+from services.workers.client import RayWorkerClient, Transport, WorkerDiedError
 from services.workers.messages import Generate, TokenDelta
+from services.workers.socket_channel import SocketChannel
 from services.workers.worker import WorkerSpec
 
 pytestmark = [pytest.mark.ray]
@@ -25,9 +27,10 @@ def job(request_id: str, max_tokens: int = NUM_TOKENS) -> Generate:
     return Generate(EngineRequest(request_id, tuple(TOK.encode(request_id)), sampling))
 
 
-def launch(name: str) -> RayWorkerClient:
+def launch(name: str, transport: Transport = "socket") -> RayWorkerClient:
     spec = WorkerSpec(name, Role.MIXED, FakeEngine, telemetry_interval_s=0.05)
-    return launch_ray_worker(spec, num_cpus=0, num_gpus=0)
+    client = launch_ray_worker(spec, num_cpus=0, num_gpus=0)
+    return RayWorkerClient(client.worker_id, client.actor, transport)
 
 
 async def tokens_of(client: RayWorkerClient, request_id: str) -> list[int]:
@@ -40,10 +43,11 @@ async def tokens_of(client: RayWorkerClient, request_id: str) -> list[int]:
     return tokens
 
 
+@pytest.mark.parametrize("transport", ["socket", "ray"])
 def test_a_64_token_stream_takes_fewer_messages_than_tokens_with_8_decoding(
-    ray_cluster: str,
+    ray_cluster: str, transport: Transport
 ) -> None:
-    client = launch("channel-8")
+    client = launch(f"channel-8-{transport}", transport)
 
     async def run() -> tuple[list[list[int]], int]:
         await client.ping()  # the actor is up: time the streams, not the start
@@ -55,16 +59,20 @@ def test_a_64_token_stream_takes_fewer_messages_than_tokens_with_8_decoding(
         streams, num_messages = asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         client.kill()
+    assert client.transport == transport  # the socket served: no silent fallback to Ray
     assert all(len(s) == NUM_TOKENS for s in streams)
     assert len({tuple(s) for s in streams}) > 1  # eight different requests really ran
     # One message per request per token would be 8 * 64 = 512.
     assert 0 < num_messages < NUM_TOKENS + NUM_REQUESTS, num_messages
 
 
-def test_a_worker_killed_mid_stream_fails_every_stream_with_worker_died(ray_cluster: str) -> None:
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_a_worker_killed_mid_stream_fails_every_stream_with_worker_died(
+    ray_cluster: str, transport: Transport
+) -> None:
     import ray
 
-    client = launch("channel-dies")
+    client = launch(f"channel-dies-{transport}", transport)
 
     async def run() -> list[BaseException | list[int]]:
         await client.ping()
@@ -83,3 +91,26 @@ def test_a_worker_killed_mid_stream_fails_every_stream_with_worker_died(ray_clus
 
     results = asyncio.run(asyncio.wait_for(run(), 60))
     assert all(isinstance(r, WorkerDiedError) for r in results), results
+    if transport == "socket":  # found from the socket's EOF at once, not from Ray or a timeout
+        assert all("ConnectionResetError" in str(r) for r in results), results
+
+
+def test_a_socket_that_cannot_be_reached_falls_back_to_the_ray_channel(
+    ray_cluster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unreachable(*args: object, **kwargs: object) -> SocketChannel:
+        raise ConnectionRefusedError("no route to the worker's channel")
+
+    monkeypatch.setattr(SocketChannel, "connect", unreachable)
+    client = launch("channel-fallback")
+
+    async def run() -> list[int]:
+        await client.ping()
+        return await tokens_of(client, "r0")
+
+    try:
+        tokens = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        client.kill()
+    assert client.transport == "ray"
+    assert len(tokens) == NUM_TOKENS
