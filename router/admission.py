@@ -7,13 +7,20 @@ before anything is reserved or queued, when
 
 * the request's age plus its corrected TTFT passes ``headroom × TTFT target`` (the
   corrected TTFT is at least how long the oldest request placed on the same prefill
-  worker has waited for its first token so far: the queue as it is now), or
+  worker has waited for its first token so far, the queue as it is now, and the
+  plan's TTFT at the speed that worker's recent prefills ran against its cost model
+  while prompts wait there), or
 * its decode worker, while it runs requests, would step slower than ``headroom ×
-  TPOT target``: by its corrected prediction, or by its recent steps as they are,
+  TPOT target``: by its corrected prediction, by its recent steps as they are, or by
+  the plan's step (what is reserved there and this request) at the speed of those
+  recent steps against the model (``Router.recent_slowdown``),
 
-where ``headroom`` is 1 for ``interactive`` and ``batch_headroom`` (< 1) for ``batch``
-requests: as a worker slows, batch requests are refused first, and interactive ones
-only when they too would miss. A refusal is a ``Reject`` with ``retry_after_s`` (the
+where ``headroom`` is ``headroom`` for ``interactive`` and ``batch_headroom`` (lower) for
+``batch`` requests: as a worker slows, batch requests are refused first, and interactive
+ones only when they too would miss. An interactive headroom under 1 keeps the operating
+point below the targets: admitting while predictions reach the target itself fills
+queues and batches until the typical admitted request sits at its target, where noise
+alone makes about half of them miss. A refusal is a ``Reject`` with ``retry_after_s`` (the
 corrected TTFT of the plan, at least ``min_retry_after_s``): the gateway answers it
 with a 429 and ``Retry-After`` at once, never after a hold. Plans with no prediction
 (``round_robin``, ``least_loaded``, ``prefix_aware``) pass unjudged.
@@ -32,6 +39,7 @@ __all__ = ["Admission", "AdmissionSettings"]
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     enabled: bool = True
+    headroom: float = 1.0
     batch_headroom: float = 0.8
     min_retry_after_s: float = 1.0
 
@@ -49,13 +57,20 @@ class Admission:
         default_slo: SLO,
         waited_s: float = 0.0,
         step_s: float = 0.0,
+        slowdown: float = 0.0,
+        prefill_slowdown: float = 0.0,
     ) -> Reject | None:
         """None: admit ``plan``; else why not. ``waited_s``: how long the oldest request
         placed on the plan's prefill worker has waited for its first token so far;
-        ``step_s``: the decode worker's recent step time while it runs requests."""
+        ``step_s``: the decode worker's recent step time while it runs requests;
+        ``slowdown``: how much slower than modelled those steps ran;
+        ``prefill_slowdown``: the same of the prefill worker's recent prefills while
+        prompts wait there."""
         if not self.settings.enabled:
             return None
-        headroom = self.settings.batch_headroom if profile.priority is Priority.BATCH else 1.0
+        settings = self.settings
+        batch = profile.priority is Priority.BATCH
+        headroom = settings.batch_headroom if batch else settings.headroom
         ttft_target_s = profile.slo.ttft_s or default_slo.ttft_s
         tpot_target_s = profile.slo.tpot_s or default_slo.tpot_s
         corrected_ttft_s = 0.0
@@ -66,7 +81,9 @@ class Admission:
             # The queue ahead as it is now: a request joining it waits about as long as
             # the one at its head has (the model and its correction lag behind a
             # worker that has just slowed down, or a burst that has just arrived).
-            corrected_ttft_s = max(corrected_ttft_s, waited_s)
+            corrected_ttft_s = max(
+                corrected_ttft_s, waited_s, plan.predicted_ttft_s * prefill_slowdown
+            )
             elapsed_s = max(0.0, now_s - profile.arrival_s)
             if (
                 ttft_target_s is not None
@@ -83,7 +100,11 @@ class Admission:
             # alone, and refusing it would leave it idle, teaching nothing, for good.
             if step_s > 0.0:
                 corrected_tpot_s = self.corrector.tpot_s(decode, corrected_tpot_s, now_s)
-                corrected_tpot_s = max(corrected_tpot_s, step_s)
+                # The plan's step (with what is reserved there and this request) at
+                # the speed the worker steps now: a batch that keeps growing from the
+                # requests still in prefill is refused before its steps show it.
+                projected_s = plan.predicted_tpot_s * slowdown
+                corrected_tpot_s = max(corrected_tpot_s, step_s, projected_s)
             if corrected_tpot_s > headroom * tpot_target_s:
                 return self._refuse("predicted tpot miss", corrected_ttft_s)
         return None

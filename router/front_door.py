@@ -159,6 +159,7 @@ class RouterSettings:
             "colocate_roles": self.colocate_roles,
             "seed": self.seed,
             "classifier": classifier,
+            "slo_headroom": self.admission.headroom,
             "batch_slo_headroom": self.admission.batch_headroom,
             "min_retry_after_s": self.admission.min_retry_after_s,
         }
@@ -172,6 +173,7 @@ def _admission_from_config(admission: Any) -> dict[str, Any]:
     return {
         "admission": AdmissionSettings(
             enabled=admission.enabled,
+            headroom=admission.headroom,
             batch_headroom=admission.batch_headroom,
             min_retry_after_s=admission.min_retry_after_s,
         ),
@@ -344,9 +346,16 @@ class Router:
             decision = _with_encode_worker(decision, view, profile.num_images)
         if not replaced:  # a re-placement continues a started stream: never refused here
             waited_s = self.pending_age_s(decision.prefill_worker, now_s)
-            step_s = self.recent_step_s(decision.decode_worker or decision.prefill_worker)
+            decode = decision.decode_worker or decision.prefill_worker
             refusal = self.admission.judge(
-                profile, decision, now_s, self.settings.default_slo, waited_s, step_s
+                profile,
+                decision,
+                now_s,
+                self.settings.default_slo,
+                waited_s,
+                self.recent_step_s(decode),
+                self.recent_slowdown(decode),
+                self.recent_slowdown(decision.prefill_worker, prefill=True),
             )
             if refusal is not None:
                 self._observed.discard(profile.request_id)
@@ -437,6 +446,44 @@ class Router:
             return 0.0
         steps = [s.duration_s for s in w.report.recent_steps if s.num_prefill_tokens == 0]
         return statistics.median(steps[-_RECENT_STEPS:]) if steps else 0.0
+
+    def recent_slowdown(self, worker_id: str, *, prefill: bool = False) -> float:
+        """How much slower than its cost model ``worker_id``'s last few decode steps
+        (``prefill``: steps that prefilled) ran while it has that work: the median of
+        measured / modelled; 0 when it has none (runs no request; ``prefill``: has no
+        prompt waiting or placed on it) or the policy keeps no cost model. The model is
+        fitted from the same steps but over hundreds, each weighed by its relative error,
+        which favours the fast ones: where the speed has just fallen (a loaded host, a
+        grown batch on a CPU that computes it no faster), this ratio knows it at once."""
+        w = self._workers.get(worker_id)
+        cost_model = getattr(self.policy, "cost_model", None)
+        if w is None or not callable(cost_model):
+            return 0.0
+        busy = self._prefill_pending(worker_id) if prefill else bool(w.report.running)
+        steps = [s for s in w.report.recent_steps if (s.num_prefill_tokens > 0) == prefill]
+        if not busy or not steps:
+            return 0.0
+        model = cost_model(worker_id)
+        ratios = []
+        for s in steps[-_RECENT_STEPS:]:
+            modelled = model.decode_step_s(s.num_decode_seqs, s.total_context_tokens)
+            if s.num_prefill_tokens:  # a mixed step is modelled as the sum of both
+                modelled = model.prefill_s(s.num_prefill_tokens) + (
+                    modelled if s.num_decode_seqs else 0.0
+                )
+            if modelled > 0:
+                ratios.append(s.duration_s / modelled)
+        return statistics.median(ratios) if ratios else 0.0
+
+    def _prefill_pending(self, worker_id: str) -> bool:
+        """A prompt waits on ``worker_id``: reported, or placed there and not yet seen."""
+        w = self._workers[worker_id]
+        if w.report.waiting_prompt_lens:
+            return True
+        return any(
+            self._reservations[rid].plan.prefill_worker == worker_id
+            for rid in self._by_worker.get(worker_id, ())
+        )
 
     def block_size(self) -> int | None:
         """The KV block size prompts are hashed by for prefix matching (the smallest)."""

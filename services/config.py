@@ -135,6 +135,12 @@ class AdmissionConfig(_Section):
     """Refusing at once (429 + Retry-After) what the corrected cost model says will miss."""
 
     enabled: bool = Field(True, description="false: policies' plans are never judged")
+    headroom: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="interactive requests must fit within this share of each target",
+    )
     batch_headroom: float = Field(
         0.8, gt=0, le=1, description="batch requests must fit within this share of each target"
     )

@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
+
 from router.correction import Outcome
+from router.cost_model import CostModel
 from router.front_door import Hold, Router, RouterSettings
 from router.types import (
     SLO,
@@ -19,6 +22,7 @@ from router.types import (
     RunningRequest,
     StepSample,
 )
+from tests.unit.router.builders import PROFILE
 from tests.unit.router.test_front_door import snapshot
 
 TARGET = SLO(ttft_s=1.0, tpot_s=0.1)
@@ -74,11 +78,11 @@ def test_batch_is_shed_first_then_interactive_as_the_worker_slows() -> None:
     assert refused.retry_after_s >= 1.0 and r.num_reservations() == 1  # only "i" holds room
 
 
-def busy(r: Router, step_s: float) -> None:
-    """``d`` runs a request and its last decode steps took ``step_s``."""
-    steps = tuple(StepSample(step_s, 0, 8, 800, end_s=float(i)) for i in range(4))
+def busy(r: Router, step_s: float, seq: int = 2) -> None:
+    """``d`` runs a request and its last decode steps took ``step_s`` (report ``seq``)."""
+    steps = tuple(StepSample(step_s, 0, 8, 800, end_s=float(seq + i)) for i in range(4))
     running = (RunningRequest(100, 5, 16),)
-    report = snapshot("d", Role.DECODE, 2, running=running)
+    report = snapshot("d", Role.DECODE, seq, running=running)
     r.update(dataclasses.replace(report, recent_steps=steps))
 
 
@@ -157,4 +161,53 @@ def test_a_decode_worker_whose_steps_run_past_tpot_takes_no_one_more_until_idle(
     slow = r.reports()["d"].recent_steps
     r.update(dataclasses.replace(snapshot("d", Role.DECODE, 3), recent_steps=slow))
     assert r.recent_step_s("d") == 0.0
+    assert isinstance(ask(r, "j"), Plan)
+
+
+class FakeModelledPolicy(FakePredictingPolicy):
+    """Plans with fixed predictions and keeps ``slo_goodput``'s per-worker cost models
+    (a fake: tests only)."""
+
+    def __init__(self, tpot_s: float) -> None:
+        super().__init__(tpot_s=tpot_s)
+        self.model = CostModel(PROFILE)
+
+    def cost_model(self, worker_id: str) -> CostModel:
+        return self.model
+
+
+def test_a_plan_is_priced_at_the_speed_the_decode_worker_steps_now() -> None:
+    """d's last steps ran 1.5x slower than its model says for their batch (0.0163 s, far
+    within the 0.1 s target), but the plan's step with this request, 0.08 s as modelled,
+    is 0.12 s at that speed: refused before the grown batch shows it. At the model's
+    speed it is taken, and so it is on an idle worker, whose old steps say nothing."""
+    r = build(FakeModelledPolicy(tpot_s=0.08))
+    modelled_s = CostModel(PROFILE).decode_step_s(8, 800)
+    busy(r, 1.5 * modelled_s)
+    assert r.recent_slowdown("d") == pytest.approx(1.5)
+    refused = ask(r, "i")
+    assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
+    busy(r, modelled_s, seq=3)
+    assert isinstance(ask(r, "j"), Plan)
+    r.update(snapshot("d", Role.DECODE, 4))
+    assert r.recent_slowdown("d") == 0.0
+
+
+def test_a_plan_is_priced_at_the_speed_the_prefill_worker_prefills_now() -> None:
+    """p's last prefills ran 2.5x slower than its model says while a prompt waits there:
+    the plan's 0.5 s TTFT is 1.25 s at that speed, past the 1 s target, so it is refused
+    before any request placed there has waited long. With no prompt waiting, p's old
+    steps say nothing of the next one and the plan is taken as predicted."""
+    r = build(FakeModelledPolicy(tpot_s=0.05))
+    steps = tuple(
+        StepSample(2.5 * CostModel(PROFILE).prefill_s(400), 400, 0, 0, end_s=float(i))
+        for i in range(4)
+    )
+    queued = snapshot("p", Role.PREFILL, 2, waiting=(400,))
+    r.update(dataclasses.replace(queued, recent_steps=steps))
+    assert r.recent_slowdown("p", prefill=True) == pytest.approx(2.5)
+    refused = ask(r, "i")
+    assert isinstance(refused, Reject) and refused.reason == "predicted ttft miss"
+    r.update(dataclasses.replace(snapshot("p", Role.PREFILL, 3), recent_steps=steps))
+    assert r.recent_slowdown("p", prefill=True) == 0.0
     assert isinstance(ask(r, "j"), Plan)

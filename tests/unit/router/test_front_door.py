@@ -293,6 +293,7 @@ def test_admission_keys_of_the_router_section_reach_the_router() -> None:
         {
             "admission": {
                 "enabled": False,
+                "headroom": 0.9,
                 "batch_headroom": 0.5,
                 "min_retry_after_s": 2.0,
                 "correction": {
@@ -306,11 +307,12 @@ def test_admission_keys_of_the_router_section_reach_the_router() -> None:
         }
     )
     settings = RouterSettings.from_config(config, PROFILE)
-    assert settings.admission == AdmissionSettings(False, 0.5, 2.0)
+    assert settings.admission == AdmissionSettings(False, 0.9, 0.5, 2.0)
     assert settings.correction == CorrectionSettings(8, 2, 0.5, 3.0, max_age_s=9.0)
     r = Router(settings)
     assert r.corrector.settings is settings.correction
     assert r.admission.settings is settings.admission
+    assert r.policy.slo_headroom == 0.9  # type: ignore[attr-defined]
     assert r.policy.batch_slo_headroom == 0.5  # type: ignore[attr-defined]
     assert r.policy.min_retry_after_s == 2.0  # type: ignore[attr-defined]
     default = RouterSettings.from_config(RouterConfig(), PROFILE)
@@ -327,7 +329,8 @@ def test_admission_keys_of_the_router_section_reach_the_router() -> None:
         ({"correction": {"max_scale": 0.5}}, "admission.correction.max_scale"),
         ({"correction": {"max_age_s": 0}}, "admission.correction.max_age_s"),
         ({"correction": {"window": 4, "min_samples": 5}}, "must not exceed window"),
-        ({"headroom": 0.5}, "admission.headroom"),  # unknown key
+        ({"headroom": 1.5}, "admission.headroom"),
+        ({"head_room": 0.5}, "admission.head_room"),  # unknown key
     ],
 )
 def test_admission_keys_out_of_bounds_are_refused_naming_them(
