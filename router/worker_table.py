@@ -84,9 +84,8 @@ class WorkerTable:
         self.kv_bytes_per_token = zeros()
         self.block_size = np.ones(n)
         self.step_base_s, self.step_per_token_s = zeros(), zeros()
-        self.chunked_step_s = zeros()  # a step that also carries a full prefill chunk
-        self.chunk_tokens = zeros()  # that full chunk (0: this worker runs no chunks)
-        self.chunk_s_per_token = zeros()  # what each chunk token adds to such a step
+        self.chunk_tokens = zeros()  # a full prefill chunk (0: this worker runs no chunks)
+        self.chunk_s_per_token = zeros()  # what each chunk token adds to a step
         self.chunk_fixed_s = zeros()  # what a chunk adds to a step beyond its tokens
         self.num_running, self.max_num_seqs = zeros(), zeros()
         self.held_tokens, self.peak_tokens = zeros(), zeros()
@@ -189,10 +188,8 @@ class WorkerTable:
             self.chunk_tokens[i] = chunk
             self.chunk_s_per_token[i] = per_token_s
             self.chunk_fixed_s[i] = max(0.0, prefill.a - dec.a) * p_margin
-            self.chunked_step_s[i] = step_base_s + self.chunk_fixed_s[i] + per_token_s * chunk
         else:
-            self.chunk_tokens[i] = self.chunk_s_per_token[i] = self.chunked_step_s[i] = 0.0
-            self.chunk_fixed_s[i] = 0.0
+            self.chunk_tokens[i] = self.chunk_s_per_token[i] = self.chunk_fixed_s[i] = 0.0
         self.num_running[i] = num_running
         self.max_num_seqs[i] = w.max_num_seqs
         self.held_tokens[i] = held_total

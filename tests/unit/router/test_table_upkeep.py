@@ -108,11 +108,7 @@ def _reference_fill_row(t: WorkerTable, i: int, w: WorkerView) -> None:
     chunks = bool(chunk) and w.role is not Role.PREFILL
     t.chunk_tokens[i] = chunk if chunks else 0
     t.chunk_s_per_token[i] = per_token_s if chunks else 0.0
-    t.chunked_step_s[i] = (
-        t.step_base_s[i] + max(0.0, prefill.a - dec.a) * p_margin + per_token_s * chunk
-        if chunks
-        else 0.0
-    )
+    t.chunk_fixed_s[i] = max(0.0, prefill.a - dec.a) * p_margin if chunks else 0.0
     t.num_running[i] = num_running
     t.max_num_seqs[i] = w.max_num_seqs
     t.held_tokens[i] = held_total
@@ -172,9 +168,9 @@ _COLUMNS = [
     "block_size",
     "step_base_s",
     "step_per_token_s",
-    "chunked_step_s",
     "chunk_tokens",
     "chunk_s_per_token",
+    "chunk_fixed_s",
     "num_running",
     "max_num_seqs",
     "held_tokens",
