@@ -37,7 +37,7 @@ import dataclasses
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -431,9 +431,8 @@ class Router:
         """How long the oldest request placed to prefill on ``worker_id`` has waited
         without its first event (0 with none): the worker's queue as it is now, however
         slowly it runs, where the view shows it as last reported and as modelled."""
-        for rid in self._by_worker.get(worker_id, {}):  # oldest first
-            r = self._reservations[rid]
-            if r.plan.prefill_worker == worker_id and r.placed_s is not None:
+        for r in self._placed_to_prefill(worker_id):  # oldest first
+            if r.placed_s is not None:
                 return max(0.0, now_s - r.placed_s)
         return 0.0
 
@@ -441,11 +440,8 @@ class Router:
         """The median of the last few decode steps ``worker_id`` reported while it runs
         requests (0 when it runs none: an idle worker's old steps say nothing of the
         next one): the decode worker's speed as it is now."""
-        w = self._workers.get(worker_id)
-        if w is None or not w.report.running:
-            return 0.0
-        steps = [s.duration_s for s in w.report.recent_steps if s.num_prefill_tokens == 0]
-        return statistics.median(steps[-_RECENT_STEPS:]) if steps else 0.0
+        steps = self._recent_steps(worker_id, prefill=False)
+        return statistics.median(s.duration_s for s in steps) if steps else 0.0
 
     def recent_slowdown(self, worker_id: str, *, prefill: bool = False) -> float:
         """How much slower than its cost model ``worker_id``'s last few decode steps
@@ -455,35 +451,44 @@ class Router:
         fitted from the same steps but over hundreds, each weighed by its relative error,
         which favours the fast ones: where the speed has just fallen (a loaded host, a
         grown batch on a CPU that computes it no faster), this ratio knows it at once."""
-        w = self._workers.get(worker_id)
         cost_model = getattr(self.policy, "cost_model", None)
-        if w is None or not callable(cost_model):
-            return 0.0
-        busy = self._prefill_pending(worker_id) if prefill else bool(w.report.running)
-        steps = [s for s in w.report.recent_steps if (s.num_prefill_tokens > 0) == prefill]
-        if not busy or not steps:
+        steps = self._recent_steps(worker_id, prefill=prefill)
+        if not callable(cost_model) or not steps:
             return 0.0
         model = cost_model(worker_id)
         ratios = []
-        for s in steps[-_RECENT_STEPS:]:
-            modelled = model.decode_step_s(s.num_decode_seqs, s.total_context_tokens)
-            if s.num_prefill_tokens:  # a mixed step is modelled as the sum of both
-                modelled = model.prefill_s(s.num_prefill_tokens) + (
-                    modelled if s.num_decode_seqs else 0.0
-                )
+        for s in steps:  # a mixed step is modelled as the sum of both parts
+            modelled = model.prefill_s(s.num_prefill_tokens) if s.num_prefill_tokens else 0.0
+            if s.num_decode_seqs:
+                modelled += model.decode_step_s(s.num_decode_seqs, s.total_context_tokens)
             if modelled > 0:
                 ratios.append(s.duration_s / modelled)
         return statistics.median(ratios) if ratios else 0.0
 
-    def _prefill_pending(self, worker_id: str) -> bool:
-        """A prompt waits on ``worker_id``: reported, or placed there and not yet seen."""
-        w = self._workers[worker_id]
-        if w.report.waiting_prompt_lens:
-            return True
-        return any(
-            self._reservations[rid].plan.prefill_worker == worker_id
-            for rid in self._by_worker.get(worker_id, ())
-        )
+    def _recent_steps(self, worker_id: str, *, prefill: bool) -> list[StepSample]:
+        """The last few decode-only steps (``prefill``: steps that prefilled) that
+        ``worker_id`` reported, while it has that work now (runs a request; ``prefill``:
+        has a prompt waiting or placed on it); none otherwise."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return []
+        if prefill:
+            placed = next(self._placed_to_prefill(worker_id), None)
+            busy = bool(w.report.waiting_prompt_lens) or placed is not None
+        else:
+            busy = bool(w.report.running)
+        if not busy:
+            return []
+        steps = [s for s in w.report.recent_steps if (s.num_prefill_tokens > 0) == prefill]
+        return steps[-_RECENT_STEPS:]
+
+    def _placed_to_prefill(self, worker_id: str) -> Iterator[_Reservation]:
+        """Reservations that prefill on ``worker_id``, oldest first."""
+        reservations = self._reservations
+        for rid in self._by_worker.get(worker_id, {}):
+            r = reservations[rid]
+            if r.plan.prefill_worker == worker_id:
+                yield r
 
     def block_size(self) -> int | None:
         """The KV block size prompts are hashed by for prefix matching (the smallest)."""
