@@ -46,6 +46,7 @@ __all__ = [
     "peak_per_draw",
     "remaining_tokens",
     "sample_output_lengths",
+    "sorted_history",
 ]
 
 
@@ -92,6 +93,19 @@ class OutputLengthHistory:
         if self._sorted is None:
             self._sorted = np.sort(np.fromiter(self._lengths, dtype=np.float64))
         return self._sorted
+
+
+def sorted_history(
+    prior_output_len: int, window: int, num_prior: int, lengths: Sequence[int]
+) -> np.ndarray:
+    """``OutputLengthHistory(prior_output_len, window, num_prior, lengths)``'s window,
+    sorted, built at once from the lengths (for an owner that keeps them itself and
+    rebuilds ``H`` when they change): the last ``window`` of ``num_prior`` priors
+    followed by the lengths."""
+    recent = np.fromiter(lengths[-window:], np.float64)
+    num_prior = max(0, min(num_prior, window - len(recent)))
+    kept = np.concatenate((np.full(num_prior, float(prior_output_len)), recent))
+    return np.sort(kept)
 
 
 def sample_output_lengths(

@@ -65,7 +65,7 @@ import numpy as np
 
 from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, load_profile
 from router.encode_fit import EncodeFit
-from router.estimator import sample_output_lengths
+from router.estimator import sample_output_lengths, sorted_history
 from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
 from router.planner import RolePressure
 from router.policy import register_policy
@@ -224,13 +224,8 @@ class SloGoodput:
 
     def _refresh_history(self, lengths: tuple[int, ...]) -> None:
         self._history_source = lengths
-        # ``OutputLengthHistory(prior, window, num_prior=window // 2, lengths)``'s window:
-        # the last ``window`` of the priors followed by the lengths, sorted.
         window = self.history_window
-        recent = np.fromiter(lengths[-window:], np.float64)
-        num_prior = max(0, min(window // 2, window - len(recent)))
-        kept = np.concatenate((np.full(num_prior, float(self.prior_output_len)), recent))
-        sorted_h = np.sort(kept)
+        sorted_h = sorted_history(self.prior_output_len, window, window // 2, lengths)
         self._table.sorted_history = sorted_h
         self._mean_output_len = max(1.0, float(sorted_h.mean()))
         # A new request has generated nothing: draw from all of H; the cap is applied per

@@ -15,6 +15,7 @@ from router.estimator import (
     PeakTable,
     peak_per_draw,
     remaining_tokens,
+    sorted_history,
 )
 from router.types import RunningRequest
 
@@ -191,3 +192,10 @@ def test_admission_counts_mispredictions_and_fits_the_engine_protocol() -> None:
     adm.record_exhaustion()
     adm.record_exhaustion()
     assert adm.num_mispredictions == 2
+
+
+@pytest.mark.parametrize("num_lengths", [0, 3, 4, 7, 12])
+def test_sorted_history_is_the_window_an_output_length_history_holds(num_lengths: int) -> None:
+    lengths = [7 * i % 11 + 1 for i in range(num_lengths)]
+    expected = OutputLengthHistory(50, window=8, num_prior=4, lengths=lengths).sorted_lengths()
+    assert np.array_equal(sorted_history(50, 8, 4, lengths), expected)
