@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from kvtransfer.types import BlockHandle
@@ -73,12 +73,8 @@ _T = TypeVar("_T")
 @dataclass(frozen=True, slots=True)
 class ExecutorConfig:
     kv_backend: str
-    max_hold_s: float = 5.0
+    hold: HoldSettings = field(default_factory=HoldSettings)  # waiting for room (placement.py)
     max_attempts: int = 3
-    hold_poll_s: float = 0.01
-    # How long a re-placed request (its stream already started) waits for room; it is
-    # never refused for its age, only when no worker could take it in this long.
-    replace_hold_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -155,7 +151,7 @@ class PlanExecutor:
             router,
             clients,
             metrics,
-            HoldSettings(config.max_hold_s, config.hold_poll_s, config.replace_hold_s),
+            config.hold,
         )
 
     def use_policy(self, name: str) -> None:
@@ -260,7 +256,7 @@ class PlanExecutor:
             # No room on the decode worker is nobody's failure: the request is re-placed
             # (another worker, or this one as a whole request that waits in its queue)
             # however often it takes; the request's own deadline bounds it.
-            await asyncio.sleep(self._config.hold_poll_s)
+            await asyncio.sleep(self._config.hold.hold_poll_s)
         raise ServiceFailure(f"request failed on {self._config.max_attempts} placements; giving up")
 
     def _prefix_hashes(

@@ -30,6 +30,7 @@ from services.engine.messages import ImageInput, SamplingParams
 from services.engine.placeholders import read_image_prompt_spec
 from services.gateway.deadline import until_deadline
 from services.gateway.executor import ExecutorConfig, PlanExecutor
+from services.gateway.placement import HoldSettings
 from services.gateway.tokens import Tokenizer
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient
@@ -108,7 +109,7 @@ class GatewayService:
             self.metrics,
             ExecutorConfig(
                 kv_backend=settings.kv_backend,
-                max_hold_s=settings.router.max_hold_s,
+                hold=HoldSettings(max_hold_s=settings.router.max_hold_s),
             ),
             on_worker_died=self.controller.report_dead,
             tokenizer=tokenizer,

@@ -15,6 +15,7 @@ from services.backends.fake import FakeTokenizer
 from services.engine.messages import FinishReason, SamplingParams
 from services.gateway.errors import BadRequest
 from services.gateway.executor import ExecutorConfig, PlanExecutor
+from services.gateway.placement import HoldSettings
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerDiedError
 from services.workers.messages import (
@@ -88,7 +89,7 @@ def build(
     metrics = BatonMetrics()
     executor = PlanExecutor(
         router, by_id.get, metrics,  # type: ignore[arg-type]
-        ExecutorConfig("local", max_hold_s=0.0), on_died, FakeTokenizer(),
+        ExecutorConfig("local", HoldSettings(max_hold_s=0.0)), on_died, FakeTokenizer(),
     )  # fmt: skip
     return executor, metrics, died
 

@@ -16,6 +16,7 @@ from services.engine.messages import FinishReason, SamplingParams
 from services.gateway.errors import Overloaded
 from services.gateway.executor import ExecutorConfig, PlanExecutor
 from services.gateway.hold_line import HoldLine
+from services.gateway.placement import HoldSettings
 from services.metrics import BatonMetrics
 from tests.unit.gateway.test_executor import ScriptedWorker, delta, snapshot
 
@@ -44,7 +45,7 @@ def gated_executor(max_hold_s: float = 30.0) -> tuple[PlanExecutor, FakeGate, Sc
     router = Router(RouterSettings(policy="round_robin", max_hold_s=max_hold_s), policy=gate)
     router.update(snapshot("w", Role.MIXED))
     worker = ScriptedWorker("w", lambda job: [delta(65, FinishReason.LENGTH)])
-    config = ExecutorConfig("local", max_hold_s=max_hold_s, hold_poll_s=POLL_S)
+    config = ExecutorConfig("local", HoldSettings(max_hold_s=max_hold_s, hold_poll_s=POLL_S))
     executor = PlanExecutor(
         router, {"w": worker}.get, BatonMetrics(), config,  # type: ignore[arg-type]
         lambda _: None, FakeTokenizer(),
