@@ -278,12 +278,18 @@ def paged_attention(
     return out
 
 
-def _gather(pool: PoolView, layer: int, g: SeqGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the group's whole blocks, [S, kv_heads, max_blocks * block_size, d]."""
+def _gathered(pool: PoolView, layer: int, g: SeqGroup) -> torch.Tensor:
+    """K and V of the group's whole blocks, one copy in the pool's (head, sequence)
+    order: [2, kv_heads, S, max_blocks * block_size, d]."""
     rows = g.gather_rows + layer * pool.heads_per_block
-    k_v = pool.block_rows.index_select(0, rows).view(
+    return pool.block_rows.index_select(0, rows).view(
         2, pool.num_kv_heads, g.num_seqs, g.max_blocks * pool.block_size, pool.head_dim
     )
+
+
+def _gather(pool: PoolView, layer: int, g: SeqGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the group's whole blocks, [S, kv_heads, max_blocks * block_size, d]."""
+    k_v = _gathered(pool, layer, g)
     return k_v[0].transpose(0, 1), k_v[1].transpose(0, 1)
 
 
@@ -308,8 +314,7 @@ def _decode_bmm(
     at 16 sequences x 176 keys (one thread, AVX-512), with no copy of K or V."""
     s, kvh, group, d = q_fold.shape
     num_keys = g.max_blocks * pool.block_size
-    rows = g.gather_rows + layer * pool.heads_per_block
-    k_v = pool.block_rows.index_select(0, rows).view(2, kvh * s, num_keys, d)
+    k_v = _gathered(pool, layer, g).view(2, kvh * s, num_keys, d)
     q_hs = (q_fold * scale).transpose(0, 1).reshape(kvh * s, group, d)
     scores = torch.bmm(q_hs, k_v[0].transpose(1, 2)).view(kvh, s, group, num_keys)
     probs = torch.softmax(scores.add_(g.mask.view(1, s, 1, num_keys)), dim=-1)
