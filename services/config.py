@@ -84,6 +84,13 @@ class WorkersConfig(_Section):
         description="GPUs per worker by role (the Helm chart sets it from its worker groups)",
     )
     telemetry_interval_s: float = Field(0.1, gt=0, le=1.0)
+    nice: int = Field(
+        5,
+        ge=0,
+        le=19,
+        description="niceness added to each worker actor's process: engines that saturate "
+        "a host's CPUs yield them to the gateway there, which then refuses or streams at once",
+    )
 
     @model_validator(mode="after")
     def _has_workers(self) -> WorkersConfig:
@@ -145,6 +152,11 @@ class AdmissionConfig(_Section):
         0.8, gt=0, le=1, description="batch requests must fit within this share of each target"
     )
     min_retry_after_s: float = Field(1.0, gt=0, le=3600, description="least Retry-After sent")
+    adaptive: bool = Field(
+        True,
+        description="scale both headrooms down while admitted requests miss their targets "
+        "(each miss takes 0.05 off, down to half; each success gives some back)",
+    )
     correction: CorrectionConfig = CorrectionConfig()
 
 
