@@ -62,7 +62,7 @@ class AttainmentGuard:
     share from outcomes instead of a fixed setting, and where predictions hold (the
     simulator) it stays at 1."""
 
-    MISS_RATE = 0.05
+    MISS_RATE = 0.02
     STEP = 0.05
     FLOOR = 0.5
 

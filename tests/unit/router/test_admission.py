@@ -250,7 +250,7 @@ def test_admitted_requests_missing_tpot_shrink_its_headroom_until_they_meet_it_a
     assert r.admission.guard.tpot == pytest.approx(0.85) and r.admission.guard.ttft == 1.0
     refused = ask(r, "after")
     assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
-    for _ in range(60):
+    for _ in range(150):
         r.observe_outcome(10, finished(missed_tpot=False))
     assert r.admission.guard.tpot == 1.0
     assert isinstance(ask(r, "again"), Plan)
