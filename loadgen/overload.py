@@ -60,6 +60,7 @@ class OverloadConfig:
     factors: Sequence[float] = (2.0, 3.0)
     duration_s: float = 10.0
     settle_s: float = 3.0
+    over_duration_s: float | None = None  # each factor's run (None: duration_s)
     bench: BenchConfig | None = None  # endpoint, tokenizer, ... (base_url and rate set here)
 
 
@@ -68,15 +69,15 @@ def run_overload(
 ) -> dict[str, Any]:
     """The sweep, then each factor; ``report`` sees each run's row as it ends."""
 
-    def run(rate: float, phase: str) -> dict[str, Any]:
-        workload = replace(config.workload, duration_s=config.duration_s)
+    def run(rate: float, phase: str, duration_s: float = config.duration_s) -> dict[str, Any]:
+        workload = replace(config.workload, duration_s=duration_s)
         base = config.bench or BenchConfig(config.base_url)
         bench = replace(
             base, base_url=config.base_url, workload=workload, rate=RateSpec(rate), slo=config.slo
         )
         result = run_bench(bench)
         row = {"phase": phase, "rate": rate} | {k: result.summary.get(k) for k in _KEYS}
-        row["window_goodput"] = window_goodput(result.records, config.slo, config.duration_s)
+        row["window_goodput"] = window_goodput(result.records, config.slo, duration_s)
         row["errors"] = dict(Counter(r.error for r in result.records if not r.success))
         report(row)
         time.sleep(config.settle_s)
@@ -85,7 +86,8 @@ def run_overload(
     sweep = [run(rate, "sweep") for rate in config.rates]
     peak = max(row["window_goodput"] for row in sweep)
     saturation = min(row["rate"] for row in sweep if row["window_goodput"] >= 0.95 * peak)
-    over = [run(k * saturation, f"{k:g}x") for k in config.factors]
+    over_s = config.over_duration_s or config.duration_s
+    over = [run(k * saturation, f"{k:g}x", over_s) for k in config.factors]
     for row, k in zip(over, config.factors, strict=True):
         row["factor"] = k
         row["of_peak"] = row["window_goodput"] / peak if peak else 0.0
