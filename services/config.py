@@ -84,13 +84,6 @@ class WorkersConfig(_Section):
         description="GPUs per worker by role (the Helm chart sets it from its worker groups)",
     )
     telemetry_interval_s: float = Field(0.1, gt=0, le=1.0)
-    nice: int = Field(
-        5,
-        ge=0,
-        le=19,
-        description="niceness added to each worker actor's process: engines that saturate "
-        "a host's CPUs yield them to the gateway there, which then refuses or streams at once",
-    )
 
     @model_validator(mode="after")
     def _has_workers(self) -> WorkersConfig:

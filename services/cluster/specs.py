@@ -59,7 +59,6 @@ def worker_specs(
             engine_factory=engine_factory,
             connector_factory=connector_factory,
             telemetry_interval_s=w.telemetry_interval_s,
-            nice=w.nice,
             max_num_seqs=config.engine.max_num_seqs,
             num_gpus=gpus_per_worker(config, role, cluster_has_gpus=cluster_has_gpus),
         )

@@ -12,10 +12,8 @@ node offers it, placement is unconstrained.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
-from services.heap import freeze_startup_heap
 from services.workers.client import RayWorkerClient
 from services.workers.worker import Worker, WorkerSpec
 
@@ -30,21 +28,11 @@ def _cluster_resource_names() -> set[str]:
     return set(ray.cluster_resources())
 
 
-class _ActorWorker(Worker):
-    """A ``Worker`` in its own actor process, which it first makes ``spec.nice`` nicer."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        if spec.nice:
-            os.nice(spec.nice)
-        super().__init__(spec)
-        freeze_startup_heap()  # the engine is built: what it holds is never garbage
-
-
 @functools.cache
 def _actor_class() -> Any:
     import ray
 
-    return ray.remote(_ActorWorker)
+    return ray.remote(Worker)
 
 
 def launch_ray_worker(

@@ -71,10 +71,6 @@ class WorkerSpec:
     # An engine loop whose heartbeat is older than this (stuck in a step, or dead) fails
     # the controller's pings, and the controller replaces the worker.
     stall_timeout_s: float = 60.0
-    # Added to the niceness of the worker's own process (a Ray actor; never applied to a
-    # worker built inside the caller's process): on a host whose cores the engines
-    # saturate, the gateway on the same host still answers at once.
-    nice: int = 0
 
 
 class Worker:

@@ -114,33 +114,3 @@ def test_a_socket_that_cannot_be_reached_falls_back_to_the_ray_channel(
         client.kill()
     assert client.transport == "ray"
     assert len(tokens) == NUM_TOKENS
-
-
-def _niceness(_: object) -> int:
-    import os
-
-    return os.nice(0)
-
-
-def test_a_worker_actor_runs_nicer_than_the_process_that_launched_it_by_its_spec(
-    ray_cluster: str,
-) -> None:
-    import os
-
-    import ray
-
-    here = os.nice(0)
-    spec = WorkerSpec("niced", Role.MIXED, FakeEngine, telemetry_interval_s=0.05, nice=3)
-    niced = launch_ray_worker(spec, num_cpus=0, num_gpus=0)
-    plain = launch_ray_worker(
-        WorkerSpec("plain", Role.MIXED, FakeEngine, telemetry_interval_s=0.05),
-        num_cpus=0,
-        num_gpus=0,
-    )
-    try:
-        base = ray.get(plain.actor.__ray_call__.remote(_niceness), timeout=60)
-        assert ray.get(niced.actor.__ray_call__.remote(_niceness), timeout=60) == min(19, base + 3)
-        assert os.nice(0) == here  # the launching process is left alone
-    finally:
-        ray.kill(niced.actor)
-        ray.kill(plain.actor)
