@@ -2,10 +2,12 @@
 saturation rate, then offered 2x and 3x that rate (loadgen/overload.py).
 
     python benchmarks/overload.py [--model small|tiny|DIR] [--policy slo_goodput]
-        [--rates 2,4,8,12,16] [--duration 10] [--rebalance]
+        [--rates 2,4,8,12,16] [--duration 10] [--over-duration 30] [--rebalance]
 
 One JSON object per line: each run's row, then a summary with each factor's goodput as
-a fraction of the peak (target: >= 0.9) and its slowest refusal (target: < 50 ms).
+a fraction of the peak (target: >= 0.9) and its slowest refusal (target: < 50 ms). A
+run's goodput is ``window_goodput``: good requests sent in its window per second of it
+(``request_goodput``, vLLM's, to the last answer, is in each row too).
 
 ``--model small`` (the default) is a random 15M-parameter Llama (hidden 384, 6 layers)
 built in a temporary folder: its workers' compute, not the gateway's per-request work,
@@ -91,6 +93,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
             slo=SLO,
             rates=[float(r) for r in args.rates.split(",")],
             duration_s=args.duration,
+            over_duration_s=args.over_duration,
             bench=BenchConfig(url, tokenizer=tokenizer),
         )
         result = run_overload(config, report=lambda row: print(json.dumps(row), flush=True))
@@ -105,6 +108,11 @@ def main() -> None:
     p.add_argument("--policy", default="slo_goodput")
     p.add_argument("--rates", default="2,4,6,8,10,12,16", help="sweep, requests/s")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
+    p.add_argument(
+        "--over-duration",
+        type=float,
+        help="seconds of arrivals per overloaded run (default: --duration)",
+    )
     p.add_argument("--rebalance", action="store_true", help="let the ratio planner flip roles")
     p.add_argument(
         "--max-hold", type=float, default=5.0, help="router.max_hold_s (0: refuse at once)"

@@ -42,6 +42,10 @@ class Outcome:
     predicted_tpot_s: float | None
     observed_tpot_s: float | None
     at_s: float | None = None  # when it was measured (None: never ages out)
+    # Whether the request met its targets as its client saw them (None: not known):
+    # TTFT from its arrival, TPOT over every token after the first, hand-off included.
+    met_ttft: bool | None = None
+    met_tpot: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

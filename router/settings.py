@@ -92,6 +92,7 @@ def _admission_from_config(admission: Any) -> dict[str, Any]:
             headroom=admission.headroom,
             batch_headroom=admission.batch_headroom,
             min_retry_after_s=admission.min_retry_after_s,
+            adaptive=admission.adaptive,
         ),
         "correction": CorrectionSettings(
             window=c.window,

@@ -145,6 +145,11 @@ class AdmissionConfig(_Section):
         0.8, gt=0, le=1, description="batch requests must fit within this share of each target"
     )
     min_retry_after_s: float = Field(1.0, gt=0, le=3600, description="least Retry-After sent")
+    adaptive: bool = Field(
+        True,
+        description="scale both headrooms down while admitted requests miss their targets "
+        "(each miss takes 0.05 off, down to half; each success gives some back)",
+    )
     correction: CorrectionConfig = CorrectionConfig()
 
 

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from services.config import ClusterConfig, load_config
+from services.heap import freeze_startup_heap
 
 __all__ = [
     "add_arguments",
@@ -232,6 +233,7 @@ def _no_launch(spec: Any) -> Any:
 async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
+    freeze_startup_heap()  # the workers are up and the model loaded: serving starts now
     host, port = config.gateway.host, config.gateway.port
     for s in server.servers:
         for sock in s.sockets:

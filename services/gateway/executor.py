@@ -92,6 +92,9 @@ class _Trace:
     last_token_s: float = 0.0
     num_tokens: int = 0
     replaced: bool = False  # re-placed after a failure: its timings say nothing of the plan
+    arrival_s: float = 0.0
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
 
     def saw_tokens(self, now_s: float, num_tokens: int) -> None:
         """A delta with tokens arrived at ``now_s``; ``num_tokens`` generated so far."""
@@ -114,6 +117,10 @@ class _Trace:
         if self.decode_start_s is not None and self.num_tokens > self.decode_start_tokens:
             steps = self.num_tokens - self.decode_start_tokens
             tpot_s = (self.last_token_s - self.decode_start_s) / steps
+        # As the client sees it (what its SLO is judged by): the hand-off included.
+        seen_tpot_s = None
+        if self.num_tokens > 1:
+            seen_tpot_s = (self.last_token_s - self.first_token_s) / (self.num_tokens - 1)
         return Outcome(
             prefill_worker=plan.prefill_worker,
             decode_worker=plan.decode_worker or plan.prefill_worker,
@@ -122,7 +129,15 @@ class _Trace:
             predicted_tpot_s=plan.predicted_tpot_s,
             observed_tpot_s=tpot_s,
             at_s=self.last_token_s,
+            met_ttft=_met(self.first_token_s - self.arrival_s, self.ttft_target_s),
+            met_tpot=_met(seen_tpot_s, self.tpot_target_s),
         )
+
+
+def _met(observed_s: float | None, target_s: float | None) -> bool | None:
+    if observed_s is None or target_s is None:
+        return None
+    return observed_s <= target_s
 
 
 class _AttemptFailed(Exception):
@@ -227,6 +242,8 @@ class PlanExecutor:
             plan = await self._placer.place(placing, replaced=attempt > 0)
             if attempt == 0:
                 trace.plan, trace.placed_s = plan, time.monotonic()
+                trace.arrival_s = profile.arrival_s
+                trace.ttft_target_s, trace.tpot_target_s = profile.slo.ttft_s, profile.slo.tpot_s
                 self._metrics.stage_s.labels("queue").observe(trace.placed_s - profile.arrival_s)
             else:
                 trace.replaced = True

@@ -341,3 +341,29 @@ def test_observed_tpot_counts_decode_steps_not_the_hand_off() -> None:
     outcome = trace.outcome()
     assert outcome is not None and outcome.observed_tpot_s == pytest.approx(0.01)
     assert outcome.observed_ttft_s == pytest.approx(0.01)
+
+
+def test_an_outcome_says_whether_the_client_saw_its_targets_met_hand_off_included() -> None:
+    """TTFT counts from arrival (not placement) and TPOT over every token after the
+    first, hand-off included, as the client's SLO is judged: 0.3 s waited + 0.01 s to the
+    first token is within 0.5 s; 3 tokens after a 1 s hand-off average 0.34 s, past
+    0.1 s, though the decode steps alone took 0.01 s each."""
+    from router.types import Plan
+    from services.gateway.executor import _Trace
+
+    plan = Plan("p", "d", predicted_ttft_s=0.01, predicted_tpot_s=0.001)
+    trace = _Trace(plan=plan, placed_s=0.3, arrival_s=0.0, ttft_target_s=0.5, tpot_target_s=0.1)
+    trace.saw_tokens(0.31, 1)
+    trace.saw_tokens(1.31, 2)
+    trace.saw_tokens(1.33, 4)
+    outcome = trace.outcome()
+    assert outcome is not None and outcome.observed_tpot_s == pytest.approx(0.01)
+    assert outcome.met_ttft is True and outcome.met_tpot is False
+    late = _Trace(plan=plan, placed_s=0.3, arrival_s=0.0, ttft_target_s=0.3, tpot_target_s=0.5)
+    late.saw_tokens(0.31, 1)
+    late.saw_tokens(0.5, 2)
+    missed = late.outcome()
+    assert missed is not None and missed.met_ttft is False and missed.met_tpot is True
+    unknown = _Trace(plan=plan, placed_s=0.0)
+    unknown.saw_tokens(0.01, 1)
+    assert unknown.outcome() is not None and unknown.outcome().met_ttft is None  # type: ignore[union-attr]

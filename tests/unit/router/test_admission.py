@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from router.admission import AdmissionSettings
 from router.correction import Outcome
 from router.cost_model import CostModel
 from router.front_door import Hold, Router, RouterSettings
@@ -211,3 +212,60 @@ def test_a_plan_is_priced_at_the_speed_the_prefill_worker_prefills_now() -> None
     r.update(dataclasses.replace(snapshot("p", Role.PREFILL, 3), recent_steps=steps))
     assert r.recent_slowdown("p", prefill=True) == 0.0
     assert isinstance(ask(r, "j"), Plan)
+
+
+def test_a_burst_on_an_idle_decode_worker_is_priced_at_its_last_speed_after_the_first() -> None:
+    """d ran 1.5x slower than modelled, then went idle (its last steps still reported).
+    The first request placed there goes by the plan's 0.08 s; the next, with the first
+    placed there, is priced at d's last speed, 0.12 s, past the 0.1 s target."""
+    r = build(FakeModelledPolicy(tpot_s=0.08))
+    modelled_s = CostModel(PROFILE).decode_step_s(8, 800)
+    busy(r, 1.5 * modelled_s)
+    slow = r.reports()["d"].recent_steps
+    r.update(dataclasses.replace(snapshot("d", Role.DECODE, 3), recent_steps=slow))
+    assert r.recent_step_s("d") == 0.0 and r.recent_slowdown("d") == 0.0
+    assert isinstance(ask(r, "first"), Plan)
+    assert r.recent_slowdown("d") == pytest.approx(1.5)
+    refused = ask(r, "second")
+    assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
+    r.release("first")  # nothing placed there any more: the next one goes by the plan
+    assert isinstance(ask(r, "third"), Plan)
+
+
+def finished(missed_tpot: bool, missed_ttft: bool = False) -> Outcome:
+    """An admitted request's outcome, as its client saw it."""
+    return Outcome(
+        "p", "d", 0.5, 0.5, 0.05, 0.05, met_ttft=not missed_ttft, met_tpot=not missed_tpot
+    )
+
+
+def test_admitted_requests_missing_tpot_shrink_its_headroom_until_they_meet_it_again() -> None:
+    """A plan predicted at 0.09 s fits the full 0.1 s TPOT target; after admitted requests
+    missed it, admission uses less of the target and refuses it, TTFT's share untouched;
+    requests that meet the target give the share back."""
+    r = build(FakePredictingPolicy(ttft_s=0.85, tpot_s=0.09))
+    assert isinstance(ask(r, "before"), Plan)
+    for _ in range(3):
+        r.observe_outcome(10, finished(missed_tpot=True))
+    assert r.admission.guard.tpot == pytest.approx(0.85) and r.admission.guard.ttft == 1.0
+    refused = ask(r, "after")
+    assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
+    for _ in range(150):
+        r.observe_outcome(10, finished(missed_tpot=False))
+    assert r.admission.guard.tpot == 1.0
+    assert isinstance(ask(r, "again"), Plan)
+
+
+def test_the_headroom_share_has_a_floor_and_stays_put_when_not_adaptive() -> None:
+    r = build(FakePredictingPolicy())
+    for _ in range(100):
+        r.observe_outcome(10, finished(missed_tpot=True, missed_ttft=True))
+    assert (r.admission.guard.ttft, r.admission.guard.tpot) == (0.5, 0.5)
+    fixed = Router(
+        RouterSettings(
+            policy="round_robin", default_slo=TARGET, admission=AdmissionSettings(adaptive=False)
+        ),
+        policy=FakePredictingPolicy(),
+    )
+    fixed.observe_outcome(10, finished(missed_tpot=True, missed_ttft=True))
+    assert (fixed.admission.guard.ttft, fixed.admission.guard.tpot) == (1.0, 1.0)

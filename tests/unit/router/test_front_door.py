@@ -296,6 +296,7 @@ def test_admission_keys_of_the_router_section_reach_the_router() -> None:
                 "headroom": 0.9,
                 "batch_headroom": 0.5,
                 "min_retry_after_s": 2.0,
+                "adaptive": False,
                 "correction": {
                     "window": 8,
                     "min_samples": 2,
@@ -307,7 +308,7 @@ def test_admission_keys_of_the_router_section_reach_the_router() -> None:
         }
     )
     settings = RouterSettings.from_config(config, PROFILE)
-    assert settings.admission == AdmissionSettings(False, 0.9, 0.5, 2.0)
+    assert settings.admission == AdmissionSettings(False, 0.9, 0.5, 2.0, adaptive=False)
     assert settings.correction == CorrectionSettings(8, 2, 0.5, 3.0, max_age_s=9.0)
     r = Router(settings)
     assert r.corrector.settings is settings.correction
