@@ -41,6 +41,7 @@ from services.engine.messages import (
     TokenLogprob,
 )
 from services.engine.multimodal import EncoderCache, ImageResolver, image_embeds_for_step
+from services.engine.paged_decode import TORCH_DECODE, select_decode_kernel
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledRequest, Scheduler
@@ -74,6 +75,7 @@ class LLMEngine:
         self.model = loaded.model
         if config.packed_linears and can_pack(self.model):  # oneDNN-packed weights (linear.py)
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 32))
+        self.model.decode_kernel = select_decode_kernel(loaded.device, enabled=config.decode_kernel)
         self.tokenizer = loaded.tokenizer
         self.config = config
         args = loaded.args
@@ -375,7 +377,14 @@ class LLMEngine:
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             num_images_encoded=self.images.num_images_encoded,
             num_image_cache_hits=self.images.num_cache_hits,
+            decode_attention=self.decode_attention,
         )
+
+    @property
+    def decode_attention(self) -> str:
+        """Which decode attention the model runs (chosen once, at start)."""
+        kernel = self.model.decode_kernel
+        return TORCH_DECODE if kernel is None else kernel.name
 
     # -- optional capability: the encode role (services/workers/images.py) ------
     @property

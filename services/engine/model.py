@@ -20,6 +20,7 @@ from services.engine.attention import AttentionMetadata, PoolView, paged_attenti
 from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
 from services.engine.linear import GatedLinear, linear, linear_add, silu_mul
+from services.engine.paged_decode import PagedDecodeKernel
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -190,6 +191,9 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args)
+        # Decode attention's C++ kernel (paged_decode.py), chosen by the engine at start;
+        # None: the torch path of attention.py.
+        self.decode_kernel: PagedDecodeKernel | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -225,6 +229,7 @@ class CausalLM(nn.Module):
             sliding_window=self.args.sliding_window,
             device=device,
             dtype=self.model.embed_tokens.weight.dtype,
+            decode_kernel=self.decode_kernel,
         )
         if inputs_embeds is None:
             x = F.embedding(batch.input_ids.to(device), self.model.embed_tokens.weight)

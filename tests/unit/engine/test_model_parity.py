@@ -12,6 +12,7 @@ import torch
 from services.engine.batch import ForwardBatch
 from services.engine.loader import LoadedModel, load_model
 from services.engine.model import CausalLM
+from services.engine.paged_decode import build_paged_decode
 from services.engine.rope import apply_rotary
 from tests.unit.engine.conftest import HFCheckpoint
 
@@ -94,8 +95,13 @@ def test_prompt_in_two_chunks_reuses_the_cache(pair: tuple[HFCheckpoint, LoadedM
     torch.testing.assert_close(torch.cat([first, second]), ckpt.logits(prompt), atol=TOL, rtol=0)
 
 
-def test_mixed_batch_of_chunks_and_decodes(pair: tuple[HFCheckpoint, LoadedModel]) -> None:
+@pytest.mark.parametrize("decode_attention", ["torch", "kernel"])
+def test_mixed_batch_of_chunks_and_decodes(
+    pair: tuple[HFCheckpoint, LoadedModel], decode_attention: str
+) -> None:
     ckpt, loaded = pair
+    if decode_attention == "kernel":  # the C++ kernel of paged_decode.py, as the engine picks
+        loaded.model.decode_kernel = build_paged_decode()
     seqs = {
         "a": _tokens(11, seed=3),
         "b": _tokens(5, seed=4),

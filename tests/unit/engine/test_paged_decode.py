@@ -1,0 +1,134 @@
+"""The C++ decode-attention kernel (paged_decode.py) equals the torch path of attention.py.
+
+Both run ``paged_attention`` on the same pool and batch; only ``decode_kernel`` differs.
+Block tables are drawn from a shuffled pool (never contiguous ranges), lengths are
+ragged and cross block edges, and heads are grouped (GQA) or not.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
+from services.engine.batch import ForwardBatch
+from services.engine.paged_decode import PagedDecodeKernel, build_paged_decode
+from tests.unit.engine.engine_helpers import greedy, make_engine, run_all, tokens_of
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeKernel:
+    return build_paged_decode()
+
+
+def _batch(
+    query_lens: list[int], context_lens: list[int], block_size: int, num_blocks: int, seed: int
+) -> ForwardBatch:
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in context_lens]
+    positions, slots = [], []
+    for q_len, n, table in zip(query_lens, context_lens, tables):
+        for pos in range(n - q_len, n):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return ForwardBatch(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        query_lens=query_lens,
+        context_lens=context_lens,
+        block_tables=tables,
+    )
+
+
+def _attend(
+    batch: ForwardBatch,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    window: int | None,
+    kernel: PagedDecodeKernel | None,
+) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    layers, layer = 3, 1
+    kv = torch.randn(num_blocks, layers, 2, kv_heads, block_size, head_dim, generator=g)
+    kv = kv.to(dtype)
+    num_tokens = batch.num_tokens
+    q = torch.randn(num_tokens, heads + kv_heads, head_dim, generator=g).to(dtype)[:, :heads]
+    k_new = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    v_new = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    pool = PoolView.of(kv)
+    meta = AttentionMetadata.build(
+        batch,
+        pool=pool,
+        num_queries_per_kv=heads // kv_heads,
+        sliding_window=window,
+        device=torch.device("cpu"),
+        dtype=dtype,
+        decode_kernel=kernel,
+    )
+    write_kv(pool, layer, meta, k_new, v_new)
+    return paged_attention(q, k_new, v_new, pool, layer, meta, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (6, 6), (12, 4)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_kernel_equals_the_torch_path_at_decode(
+    kernel: PagedDecodeKernel, block_size: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    context_lens = [1, 2, block_size, block_size + 1, 37, 5, 3 * block_size - 1, 70]
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 9
+    batch = _batch([1] * len(context_lens), context_lens, block_size, num_blocks, seed=head_dim)
+    kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    kw |= dict(num_blocks=num_blocks, dtype=torch.float32, window=None)
+    ours = _attend(batch, kernel=kernel, **kw)  # type: ignore[arg-type]
+    torch_path = _attend(batch, kernel=None, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(ours, torch_path, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3, 16])
+def test_kernel_equals_the_torch_path_beside_chunks_and_with_a_window(
+    kernel: PagedDecodeKernel, window: int | None
+) -> None:
+    # Decodes between prefill chunks: the kernel's output lands at its tokens' rows.
+    query_lens, context_lens = [1, 5, 1, 1, 9, 1], [20, 12, 3, 41, 9, 17]
+    block_size, num_blocks = 4, 64
+    batch = _batch(query_lens, context_lens, block_size, num_blocks, seed=3)
+    kw = dict(heads=8, kv_heads=2, head_dim=64, block_size=block_size, num_blocks=num_blocks)
+    kw |= dict(dtype=torch.float32, window=window)
+    ours = _attend(batch, kernel=kernel, **kw)  # type: ignore[arg-type]
+    torch_path = _attend(batch, kernel=None, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(ours, torch_path, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_in_bfloat16_is_close_to_the_float32_result(kernel: PagedDecodeKernel) -> None:
+    context_lens = [1, 9, 33, 64]
+    batch = _batch([1] * 4, context_lens, 16, 32, seed=1)
+    kw = dict(heads=12, kv_heads=4, head_dim=64, block_size=16, num_blocks=32, window=None)
+    ours = _attend(batch, kernel=kernel, dtype=torch.bfloat16, **kw)  # type: ignore[arg-type]
+    exact = _attend(batch, kernel=None, dtype=torch.float32, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(ours.float(), exact, atol=2e-2, rtol=2e-2)
+
+
+def test_engine_reports_its_decode_attention_and_generates_the_same_tokens() -> None:
+    with_kernel = make_engine("tiny")
+    without = make_engine("tiny", decode_kernel=False)
+    assert with_kernel.stats().decode_attention == "paged_decode_cpp"
+    assert without.stats().decode_attention == "torch"
+    prompts = [[5, 9, 2, 7], list(range(3, 40)), [11] * 9]
+    outs = []
+    for engine in (with_kernel, without):
+        from services.engine.messages import EngineRequest
+
+        for i, p in enumerate(prompts):
+            engine.add_request(EngineRequest(f"r{i}", tuple(p), greedy(24)))
+        outs.append({r: tokens_of(o) for r, o in run_all(engine).items()})
+    assert outs[0] == outs[1]
