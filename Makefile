@@ -32,10 +32,10 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy services router kvtransfer loadgen
 
-# The CPU decode-attention C++ kernel, compiled once per machine into ~/.cache/baton
-# (services/engine/paged_decode.py); engines build it themselves too, this logs it first.
+# The CPU C++ kernels (decode attention, RMSNorm, rotary), compiled once per machine into ~/.cache/baton
+# (services/engine/cpu_kernels.py); engines build it themselves too, this logs it first.
 kernels: venv
-	$(PY) -m services.engine.paged_decode
+	$(PY) -m services.engine.cpu_kernels
 
 pytest: venv kernels
 	$(PY) -m pytest -q -rs --durations=30 $(PYTEST_ARGS)

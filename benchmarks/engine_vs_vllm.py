@@ -15,7 +15,7 @@ only), alternately, and each kind's best wave is kept. Each engine runs in a chi
 process of its own, one after the other (in one process vLLM's CPU worker takes over
 ``torch.set_num_threads``); vLLM in-process there (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 with torch.compile on, as its server does. ``baton-torch`` is Baton with its decode
-attention on the pure-torch path (``engine.decode_kernel: false``), the same-run
+attention on the pure-torch path (``engine.cpu_kernels: false``), the same-run
 baseline for the C++ kernel. Prints one JSON object per line, the last with the
 ratios (CPU seconds per wave, e.g. Baton over vLLM: < 1 is faster).
 """
@@ -51,7 +51,7 @@ def save_llama_100m(folder: Path) -> Any:
     return module.save_llama_100m(folder)
 
 
-def _baton(folder: Path, decode_kernel: bool) -> Any:
+def _baton(folder: Path, cpu_kernels: bool) -> Any:
     from services.config import EngineConfig
     from services.engine.engine import LLMEngine
     from services.engine.loader import load_model
@@ -59,7 +59,7 @@ def _baton(folder: Path, decode_kernel: bool) -> Any:
 
     loaded = load_model(str(folder), dtype="float32", device="cpu")
     config = EngineConfig(
-        device="cpu", max_model_len=1024, kv_cache_bytes=2**30, decode_kernel=decode_kernel
+        device="cpu", max_model_len=1024, kv_cache_bytes=2**30, cpu_kernels=cpu_kernels
     )
     engine = LLMEngine(loaded, config)
     count = iter(range(1 << 30))
@@ -139,7 +139,7 @@ def _child(args: argparse.Namespace) -> None:
     if args.side == "vllm":
         run = _vllm(folder)
     else:
-        run = _baton(folder, decode_kernel=args.side == "baton")
+        run = _baton(folder, cpu_kernels=args.side == "baton")
     g = torch.Generator().manual_seed(0)
 
     def prompts() -> list[list[int]]:

@@ -60,10 +60,11 @@ class EngineConfig(_Section):
         description="embedded, CPU float32: keep a oneDNN-packed second copy of each large "
         "linear weight (faster steps above one row; one more copy of those weights in memory)",
     )
-    decode_kernel: bool = Field(
+    cpu_kernels: bool = Field(
         True,
-        description="embedded, CPU: run decode attention in a C++ kernel over the paged KV "
-        "cache, compiled once per machine with the host's g++ (the torch path if it cannot build)",
+        description="embedded, CPU: run decode attention over the paged KV cache, RMSNorm and "
+        "rotary + KV write in C++ kernels, compiled once per machine with the host's g++ "
+        "(torch ops if they cannot build)",
     )
     vllm: dict[str, Any] = Field(
         default_factory=dict,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.batch import ForwardBatch
-from services.engine.paged_decode import PagedDecodeKernel
+from services.engine.cpu_kernels import CpuKernels
 
 __all__ = ["AttentionMetadata", "PoolView", "SeqGroup", "paged_attention", "write_kv"]
 
@@ -94,7 +94,8 @@ class AttentionMetadata:
     # [T * 2 * kv_heads]: token rows of layer 0, in (token, k/v, head) order
     write_rows: torch.Tensor
     groups: list[SeqGroup]
-    decode_kernel: PagedDecodeKernel | None  # runs decode groups when set (CPU only)
+    cpu_kernels: CpuKernels | None  # runs decode groups (and RoPE + KV writes) when set
+    slots: torch.Tensor  # [T] pool slot of each new token (the batch's slot_mapping)
     sliding_window: int | None
 
     @classmethod
@@ -107,7 +108,7 @@ class AttentionMetadata:
         sliding_window: int | None,
         device: torch.device,
         dtype: torch.dtype,
-        decode_kernel: PagedDecodeKernel | None = None,
+        cpu_kernels: CpuKernels | None = None,
     ) -> AttentionMetadata:
         query_lens = np.asarray(batch.query_lens, dtype=np.int64)
         context_lens = np.asarray(batch.context_lens, dtype=np.int64)
@@ -120,7 +121,7 @@ class AttentionMetadata:
                     _build_group(
                         batch, seqs, query_lens, context_lens, starts, positions, pool,
                         num_queries_per_kv, sliding_window, device, dtype,
-                        decode_kernel is not None,
+                        cpu_kernels is not None,
                     )
                 )  # fmt: skip
         slots = batch.slot_mapping.cpu().numpy()
@@ -131,7 +132,8 @@ class AttentionMetadata:
         return cls(
             write_rows=_to_device(write_rows.reshape(-1), device),
             groups=groups,
-            decode_kernel=decode_kernel,
+            cpu_kernels=cpu_kernels,
+            slots=batch.slot_mapping.to(device),
             sliding_window=sliding_window,
         )
 
@@ -320,9 +322,9 @@ def _decode(
     _, num_heads, head_dim = q.shape
     num_kv_heads = pool.num_kv_heads
     q_group = q if g.token_index is None else q[g.token_index]
-    if meta.decode_kernel is not None and g.block_table is not None:
+    if meta.cpu_kernels is not None and g.block_table is not None:
         assert g.context_lens is not None
-        return meta.decode_kernel(
+        return meta.cpu_kernels.paged_decode(
             q_group, pool.kv, layer, g.block_table, g.context_lens, scale, meta.sliding_window
         )
     q_fold = q_group.view(g.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)

@@ -24,6 +24,7 @@ from kvtransfer.types import KVLayout
 from services.backends.protocol import AdmissionFeedback, AdmissionPolicy
 from services.config import EngineConfig
 from services.engine.block_hash import image_hash_token_ids
+from services.engine.cpu_kernels import TORCH_KERNELS, select_cpu_kernels
 from services.engine.grammar import GrammarCompiler, apply_grammar_masks
 from services.engine.kv_cache import BlockManager, allocate_kv_pool
 from services.engine.linear import can_pack, pack_linears
@@ -41,7 +42,6 @@ from services.engine.messages import (
     TokenLogprob,
 )
 from services.engine.multimodal import EncoderCache, ImageResolver, image_embeds_for_step
-from services.engine.paged_decode import TORCH_DECODE, select_decode_kernel
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledRequest, Scheduler
@@ -75,7 +75,7 @@ class LLMEngine:
         self.model = loaded.model
         if config.packed_linears and can_pack(self.model):  # oneDNN-packed weights (linear.py)
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 32))
-        self.model.decode_kernel = select_decode_kernel(loaded.device, enabled=config.decode_kernel)
+        self.model.cpu_kernels = select_cpu_kernels(loaded.device, enabled=config.cpu_kernels)
         self.tokenizer = loaded.tokenizer
         self.config = config
         args = loaded.args
@@ -377,14 +377,14 @@ class LLMEngine:
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             num_images_encoded=self.images.num_images_encoded,
             num_image_cache_hits=self.images.num_cache_hits,
-            decode_attention=self.decode_attention,
+            kernels=self.kernels,
         )
 
     @property
-    def decode_attention(self) -> str:
-        """Which decode attention the model runs (chosen once, at start)."""
-        kernel = self.model.decode_kernel
-        return TORCH_DECODE if kernel is None else kernel.name
+    def kernels(self) -> str:
+        """Which kernels the model runs ("cpp" or "torch"; chosen once, at start)."""
+        kernels = self.model.cpu_kernels
+        return TORCH_KERNELS if kernels is None else kernels.name
 
     # -- optional capability: the encode role (services/workers/images.py) ------
     @property

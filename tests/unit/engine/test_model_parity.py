@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from services.engine.batch import ForwardBatch
+from services.engine.cpu_kernels import build_cpu_kernels
 from services.engine.loader import LoadedModel, load_model
 from services.engine.model import CausalLM
-from services.engine.paged_decode import build_paged_decode
 from services.engine.rope import apply_rotary
 from tests.unit.engine.conftest import HFCheckpoint
 
@@ -71,12 +71,16 @@ def _tokens(n: int, seed: int, vocab: int = 96) -> list[int]:
     return [random.Random(seed * 1000 + i).randrange(3, vocab) for i in range(n)]
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=[(k, ops) for k in KINDS for ops in ("torch", "cpp")], ids=str)
 def pair(
     request: pytest.FixtureRequest, hf_checkpoint: Callable[[str], HFCheckpoint]
 ) -> tuple[HFCheckpoint, LoadedModel]:
-    ckpt = hf_checkpoint(request.param)
-    return ckpt, load_model(str(ckpt.folder))
+    kind, ops = request.param
+    ckpt = hf_checkpoint(kind)
+    loaded = load_model(str(ckpt.folder))
+    if ops == "cpp":  # the C++ kernels of cpu_kernels.py, as the engine picks them on a CPU
+        loaded.model.cpu_kernels = build_cpu_kernels()
+    return ckpt, loaded
 
 
 def test_full_prompt_in_one_forward(pair: tuple[HFCheckpoint, LoadedModel]) -> None:
@@ -95,13 +99,8 @@ def test_prompt_in_two_chunks_reuses_the_cache(pair: tuple[HFCheckpoint, LoadedM
     torch.testing.assert_close(torch.cat([first, second]), ckpt.logits(prompt), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("decode_attention", ["torch", "kernel"])
-def test_mixed_batch_of_chunks_and_decodes(
-    pair: tuple[HFCheckpoint, LoadedModel], decode_attention: str
-) -> None:
+def test_mixed_batch_of_chunks_and_decodes(pair: tuple[HFCheckpoint, LoadedModel]) -> None:
     ckpt, loaded = pair
-    if decode_attention == "kernel":  # the C++ kernel of paged_decode.py, as the engine picks
-        loaded.model.decode_kernel = build_paged_decode()
     seqs = {
         "a": _tokens(11, seed=3),
         "b": _tokens(5, seed=4),

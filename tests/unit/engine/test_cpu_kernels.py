@@ -1,26 +1,32 @@
-"""The C++ decode-attention kernel (paged_decode.py) equals the torch path of attention.py.
+"""The C++ kernels (cpu_kernels.py) equal the torch ops they replace.
 
-Both run ``paged_attention`` on the same pool and batch; only ``decode_kernel`` differs.
-Block tables are drawn from a shuffled pool (never contiguous ranges), lengths are
-ragged and cross block edges, and heads are grouped (GQA) or not.
+Decode attention: both paths run ``paged_attention`` on the same pool and batch; only
+``cpu_kernels`` differs. Block tables are drawn from a shuffled pool (never contiguous
+ranges), lengths are ragged and cross block edges, and heads are grouped (GQA) or not.
+RMSNorm and rotary + KV write are compared with ``rms_norm`` and ``apply_rotary`` +
+``write_kv`` on the same inputs.
 """
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
 from services.engine.batch import ForwardBatch
-from services.engine.paged_decode import PagedDecodeKernel, build_paged_decode
+from services.engine.cpu_kernels import CpuKernels, build_cpu_kernels
+from services.engine.messages import EngineRequest
+from services.engine.model import rms_norm
+from services.engine.rope import RotaryEmbedding, apply_rotary
 from tests.unit.engine.engine_helpers import greedy, make_engine, run_all, tokens_of
 
 
 @pytest.fixture(scope="module")
-def kernel() -> PagedDecodeKernel:
-    return build_paged_decode()
+def kernel() -> CpuKernels:
+    return build_cpu_kernels()
 
 
 def _batch(
@@ -54,7 +60,7 @@ def _attend(
     num_blocks: int,
     dtype: torch.dtype,
     window: int | None,
-    kernel: PagedDecodeKernel | None,
+    kernel: CpuKernels | None,
 ) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     layers, layer = 3, 1
@@ -72,7 +78,7 @@ def _attend(
         sliding_window=window,
         device=torch.device("cpu"),
         dtype=dtype,
-        decode_kernel=kernel,
+        cpu_kernels=kernel,
     )
     write_kv(pool, layer, meta, k_new, v_new)
     return paged_attention(q, k_new, v_new, pool, layer, meta, head_dim**-0.5)
@@ -82,7 +88,7 @@ def _attend(
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (6, 6), (12, 4)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_kernel_equals_the_torch_path_at_decode(
-    kernel: PagedDecodeKernel, block_size: int, heads: int, kv_heads: int, head_dim: int
+    kernel: CpuKernels, block_size: int, heads: int, kv_heads: int, head_dim: int
 ) -> None:
     context_lens = [1, 2, block_size, block_size + 1, 37, 5, 3 * block_size - 1, 70]
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 9
@@ -96,7 +102,7 @@ def test_kernel_equals_the_torch_path_at_decode(
 
 @pytest.mark.parametrize("window", [None, 3, 16])
 def test_kernel_equals_the_torch_path_beside_chunks_and_with_a_window(
-    kernel: PagedDecodeKernel, window: int | None
+    kernel: CpuKernels, window: int | None
 ) -> None:
     # Decodes between prefill chunks: the kernel's output lands at its tokens' rows.
     query_lens, context_lens = [1, 5, 1, 1, 9, 1], [20, 12, 3, 41, 9, 17]
@@ -109,7 +115,7 @@ def test_kernel_equals_the_torch_path_beside_chunks_and_with_a_window(
     torch.testing.assert_close(ours, torch_path, atol=1e-5, rtol=1e-5)
 
 
-def test_kernel_in_bfloat16_is_close_to_the_float32_result(kernel: PagedDecodeKernel) -> None:
+def test_kernel_in_bfloat16_is_close_to_the_float32_result(kernel: CpuKernels) -> None:
     context_lens = [1, 9, 33, 64]
     batch = _batch([1] * 4, context_lens, 16, 32, seed=1)
     kw = dict(heads=12, kv_heads=4, head_dim=64, block_size=16, num_blocks=32, window=None)
@@ -118,17 +124,62 @@ def test_kernel_in_bfloat16_is_close_to_the_float32_result(kernel: PagedDecodeKe
     torch.testing.assert_close(ours.float(), exact, atol=2e-2, rtol=2e-2)
 
 
-def test_engine_reports_its_decode_attention_and_generates_the_same_tokens() -> None:
+def test_engine_reports_its_kernels_and_generates_the_same_tokens() -> None:
     with_kernel = make_engine("tiny")
-    without = make_engine("tiny", decode_kernel=False)
-    assert with_kernel.stats().decode_attention == "paged_decode_cpp"
-    assert without.stats().decode_attention == "torch"
+    without = make_engine("tiny", cpu_kernels=False)
+    assert with_kernel.stats().kernels == "cpp"
+    assert without.stats().kernels == "torch"
     prompts = [[5, 9, 2, 7], list(range(3, 40)), [11] * 9]
     outs = []
     for engine in (with_kernel, without):
-        from services.engine.messages import EngineRequest
-
         for i, p in enumerate(prompts):
             engine.add_request(EngineRequest(f"r{i}", tuple(p), greedy(24)))
         outs.append({r: tokens_of(o) for r, o in run_all(engine).items()})
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_rms_norm_equals_the_torch_ops(kernel: CpuKernels, dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 96, generator=g)).to(dtype)
+    weight = torch.randn(96, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    ours = kernel.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(ours, rms_norm(x, weight, 1e-6), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_rotary_write_equals_apply_rotary_and_write_kv(
+    kernel: CpuKernels, dtype: torch.dtype, block_size: int
+) -> None:
+    heads, kv_heads, head_dim, layers, layer = 6, 2, 32, 3, 2
+    query_lens, context_lens = [1, 7, 1, 70], [9, 7, 33, 90]
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 5
+    batch = _batch(query_lens, context_lens, block_size, num_blocks, seed=block_size)
+    args = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)
+    cos, sin = RotaryEmbedding(args).cos_sin(  # type: ignore[arg-type]
+        batch.positions, max(context_lens), dtype
+    )
+    g = torch.Generator().manual_seed(block_size)
+    # q, k and v side by side as the fused qkv product gives them: strided rows.
+    qkv = torch.randn(batch.num_tokens, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
+    pools = [torch.zeros(num_blocks, layers, 2, kv_heads, block_size, head_dim, dtype=dtype)]
+    pools.append(pools[0].clone())
+    meta = AttentionMetadata.build(
+        batch,
+        pool=PoolView.of(pools[0]),
+        num_queries_per_kv=heads // kv_heads,
+        sliding_window=None,
+        device=torch.device("cpu"),
+        dtype=dtype,
+    )
+    expected = apply_rotary(qk, cos, sin)
+    write_kv(PoolView.of(pools[0]), layer, meta, expected[:, heads:], v)
+    kernel.rotary_write_(qk, v, cos, sin, pools[1], layer, meta.slots)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(qk, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(pools[1], pools[0], atol=tol, rtol=tol)
+    assert pools[1][:, layer].abs().sum() > 0 and pools[1][:, :layer].abs().sum() == 0
