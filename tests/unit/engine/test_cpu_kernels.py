@@ -183,3 +183,17 @@ def test_rotary_write_equals_apply_rotary_and_write_kv(
     torch.testing.assert_close(qk, expected, atol=tol, rtol=tol)
     torch.testing.assert_close(pools[1], pools[0], atol=tol, rtol=tol)
     assert pools[1][:, layer].abs().sum() > 0 and pools[1][:, :layer].abs().sum() == 0
+
+
+def test_torch_ops_are_chosen_where_the_kernels_cannot_build_or_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.engine import cpu_kernels
+
+    def no_compiler(build_root: object = None) -> CpuKernels:
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr(cpu_kernels, "build_cpu_kernels", no_compiler)
+    assert cpu_kernels.select_cpu_kernels(torch.device("cpu")) is None
+    assert cpu_kernels.select_cpu_kernels(torch.device("cuda")) is None
+    assert cpu_kernels.select_cpu_kernels(torch.device("cpu"), enabled=False) is None
