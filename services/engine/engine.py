@@ -75,7 +75,8 @@ class LLMEngine:
         self.model = loaded.model
         if config.packed_linears and can_pack(self.model):  # oneDNN-packed weights (linear.py)
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 32))
-        self.model.cpu_kernels = select_cpu_kernels(loaded.device, enabled=config.cpu_kernels)
+        self._kernels = select_cpu_kernels(loaded.device, enabled=config.cpu_kernels)
+        self.model.cpu_kernels = self._kernels
         self.tokenizer = loaded.tokenizer
         self.config = config
         args = loaded.args
@@ -377,14 +378,8 @@ class LLMEngine:
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             num_images_encoded=self.images.num_images_encoded,
             num_image_cache_hits=self.images.num_cache_hits,
-            kernels=self.kernels,
+            kernels=TORCH_KERNELS if self._kernels is None else self._kernels.name,
         )
-
-    @property
-    def kernels(self) -> str:
-        """Which kernels the model runs ("cpp" or "torch"; chosen once, at start)."""
-        kernels = self.model.cpu_kernels
-        return TORCH_KERNELS if kernels is None else kernels.name
 
     # -- optional capability: the encode role (services/workers/images.py) ------
     @property
