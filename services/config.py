@@ -60,6 +60,12 @@ class EngineConfig(_Section):
         description="embedded, CPU float32: keep a oneDNN-packed second copy of each large "
         "linear weight (faster steps above one row; one more copy of those weights in memory)",
     )
+    cpu_kernels: bool = Field(
+        True,
+        description="embedded, CPU: run decode attention over the paged KV cache, RMSNorm and "
+        "rotary + KV write in C++ kernels, compiled once per machine with the host's g++ "
+        "(torch ops if they cannot build)",
+    )
     vllm: dict[str, Any] = Field(
         default_factory=dict,
         description="backend vllm: extra vLLM EngineArgs (dtype, enforce_eager, "

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.batch import ForwardBatch
+from services.engine.cpu_kernels import CpuKernels
 
 __all__ = ["AttentionMetadata", "PoolView", "SeqGroup", "paged_attention", "write_kv"]
 
@@ -38,6 +39,7 @@ __all__ = ["AttentionMetadata", "PoolView", "SeqGroup", "paged_attention", "writ
 class PoolView:
     """``kv[num_blocks, layers, 2, kv_heads, block_size, head_dim]`` as flat rows (no copy)."""
 
+    kv: torch.Tensor  # the pool itself
     block_rows: torch.Tensor  # [num_blocks * layers * 2 * kv_heads, block_size * head_dim]
     token_rows: torch.Tensor  # [num_blocks * layers * 2 * kv_heads * block_size, head_dim]
     num_layers: int
@@ -51,6 +53,7 @@ class PoolView:
             raise ValueError("the KV pool must be one contiguous tensor")
         _, num_layers, _, num_kv_heads, block_size, head_dim = kv.shape
         return cls(
+            kv=kv,
             block_rows=kv.view(-1, block_size * head_dim),
             token_rows=kv.view(-1, head_dim),
             num_layers=num_layers,
@@ -76,6 +79,9 @@ class SeqGroup:
     max_query_len: int
     max_blocks: int
     gather_rows: torch.Tensor  # [2 * kv_heads * S * max_blocks] block rows of layer 0
+    # For the decode kernel (else None): [S, max_blocks] block ids, [S] context lengths.
+    block_table: torch.Tensor | None
+    context_lens: torch.Tensor | None
     # Every sequence is a fresh prompt (no cached context): attend to this step's own K/V
     # with a plain causal mask, no gather. ``uniform``: all of equal length, no padding.
     fresh: bool
@@ -88,6 +94,9 @@ class AttentionMetadata:
     # [T * 2 * kv_heads]: token rows of layer 0, in (token, k/v, head) order
     write_rows: torch.Tensor
     groups: list[SeqGroup]
+    cpu_kernels: CpuKernels | None  # runs decode groups (and RoPE + KV writes) when set
+    slots: torch.Tensor  # [T] pool slot of each new token (the batch's slot_mapping)
+    sliding_window: int | None
 
     @classmethod
     def build(
@@ -99,6 +108,7 @@ class AttentionMetadata:
         sliding_window: int | None,
         device: torch.device,
         dtype: torch.dtype,
+        cpu_kernels: CpuKernels | None = None,
     ) -> AttentionMetadata:
         query_lens = np.asarray(batch.query_lens, dtype=np.int64)
         context_lens = np.asarray(batch.context_lens, dtype=np.int64)
@@ -111,6 +121,7 @@ class AttentionMetadata:
                     _build_group(
                         batch, seqs, query_lens, context_lens, starts, positions, pool,
                         num_queries_per_kv, sliding_window, device, dtype,
+                        cpu_kernels is not None,
                     )
                 )  # fmt: skip
         slots = batch.slot_mapping.cpu().numpy()
@@ -118,7 +129,13 @@ class AttentionMetadata:
         # token row = ((block * layers + layer) * 2 * kv_heads + c * kv_heads + h) * bs + offset
         first = (slots // bs) * (pool.num_layers * per_block * bs) + slots % bs
         write_rows = first[:, None] + np.arange(per_block, dtype=np.int64) * bs
-        return cls(write_rows=_to_device(write_rows.reshape(-1), device), groups=groups)
+        return cls(
+            write_rows=_to_device(write_rows.reshape(-1), device),
+            groups=groups,
+            cpu_kernels=cpu_kernels,
+            slots=batch.slot_mapping.to(device),
+            sliding_window=sliding_window,
+        )
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -137,6 +154,7 @@ def _build_group(
     sliding_window: int | None,
     device: torch.device,
     dtype: torch.dtype,
+    use_kernel: bool,
 ) -> SeqGroup:
     # Index arrays and the mask are built with numpy and become tensors in one call each:
     # per-sequence (or even per-array) torch ops would cost more than decode attention itself.
@@ -173,8 +191,9 @@ def _build_group(
         # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
         query_pos = np.zeros((num_seqs, max_query_len), dtype=np.int64)
         query_pos[row_np, col_np] = first_pos[row_np] + col_np
-    if fresh:
-        mask = positions.new_empty(0)  # unused: causal attention needs no explicit mask
+    kernel_decode = use_kernel and max_query_len == 1
+    if fresh or kernel_decode:
+        mask = positions.new_empty(0)  # unused: causal attention and the kernel need none
     else:
         mask = _additive_mask(
             query_pos, max_blocks * block_size, group, sliding_window, device, dtype
@@ -186,7 +205,11 @@ def _build_group(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         max_blocks=max_blocks,
-        gather_rows=_gather_rows(block_ids, pool, device),
+        gather_rows=positions.new_empty(0)
+        if kernel_decode
+        else _gather_rows(block_ids, pool, device),
+        block_table=_to_device(block_ids, device) if kernel_decode else None,
+        context_lens=_to_device(context_lens, device) if kernel_decode else None,
         fresh=fresh,
         uniform=bool((group_query_lens == max_query_len).all()),
         mask=mask,
@@ -264,7 +287,7 @@ def paged_attention(
     out: torch.Tensor | None = None
     for g in meta.groups:
         if g.max_query_len == 1:
-            o_tokens = _decode(q, pool, layer, g, scale)
+            o_tokens = _decode(q, pool, layer, meta, g, scale)
         elif g.fresh:
             o_tokens = _fresh_prefill(q, k_new, v_new, g, scale)
         else:
@@ -293,10 +316,17 @@ def _gather(pool: PoolView, layer: int, g: SeqGroup) -> tuple[torch.Tensor, torc
     return k_v[0].transpose(0, 1), k_v[1].transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, pool: PoolView, layer: int, g: SeqGroup, scale: float) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, pool: PoolView, layer: int, meta: AttentionMetadata, g: SeqGroup, scale: float
+) -> torch.Tensor:
     _, num_heads, head_dim = q.shape
     num_kv_heads = pool.num_kv_heads
     q_group = q if g.token_index is None else q[g.token_index]
+    if meta.cpu_kernels is not None and g.block_table is not None:
+        assert g.context_lens is not None
+        return meta.cpu_kernels.paged_decode(
+            q_group, pool.kv, layer, g.block_table, g.context_lens, scale, meta.sliding_window
+        )
     q_fold = q_group.view(g.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if q.device.type == "cpu":
         return _decode_bmm(q_fold, pool, layer, g, scale)

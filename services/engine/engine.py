@@ -24,6 +24,7 @@ from kvtransfer.types import KVLayout
 from services.backends.protocol import AdmissionFeedback, AdmissionPolicy
 from services.config import EngineConfig
 from services.engine.block_hash import image_hash_token_ids
+from services.engine.cpu_kernels import TORCH_KERNELS, select_cpu_kernels
 from services.engine.grammar import GrammarCompiler, apply_grammar_masks
 from services.engine.kv_cache import BlockManager, allocate_kv_pool
 from services.engine.linear import can_pack, pack_linears
@@ -74,6 +75,8 @@ class LLMEngine:
         self.model = loaded.model
         if config.packed_linears and can_pack(self.model):  # oneDNN-packed weights (linear.py)
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 32))
+        self._kernels = select_cpu_kernels(loaded.device, enabled=config.cpu_kernels)
+        self.model.cpu_kernels = self._kernels
         self.tokenizer = loaded.tokenizer
         self.config = config
         args = loaded.args
@@ -375,6 +378,7 @@ class LLMEngine:
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             num_images_encoded=self.images.num_images_encoded,
             num_image_cache_hits=self.images.num_cache_hits,
+            kernels=TORCH_KERNELS if self._kernels is None else self._kernels.name,
         )
 
     # -- optional capability: the encode role (services/workers/images.py) ------

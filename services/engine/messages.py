@@ -277,6 +277,7 @@ class EngineStats:
     max_num_batched_tokens: int = 0  # the step's token budget; 0: unknown
     num_images_encoded: int = 0  # cumulative: images this engine ran its encoder on
     num_image_cache_hits: int = 0  # cumulative: images served from the encoder-output cache
+    kernels: str = ""  # the model's CPU kernels (cpu_kernels.py): "cpp", or "torch" ops
 
     @property
     def num_used_blocks(self) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
 from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
+from services.engine.cpu_kernels import CpuKernels
 from services.engine.linear import GatedLinear, linear, linear_add, silu_mul
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
@@ -88,6 +89,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+def _norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: CpuKernels | None
+) -> torch.Tensor:
+    """``rms_norm``, in one C++ pass when the engine chose the CPU kernels."""
+    if kernels is not None and x.is_contiguous():
+        return kernels.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -136,8 +146,12 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q_normed = rms_norm(qk[:, :h], self.q_norm.weight, self.eps)
             qk = torch.cat((q_normed, rms_norm(qk[:, h:], self.k_norm.weight, self.eps)), dim=1)
-        qk = apply_rotary(qk, *cos_sin)
-        write_kv(pool, self.layer_idx, meta, qk[:, h:], v)
+        kernels = meta.cpu_kernels
+        if kernels is None:
+            qk = apply_rotary(qk, *cos_sin)
+            write_kv(pool, self.layer_idx, meta, qk[:, h:], v)
+        else:  # the same, fused: rotated in place, K/V stored at the slots
+            kernels.rotary_write_(qk, v, *cos_sin, pool.kv, self.layer_idx, meta.slots)
         o = paged_attention(qk[:, :h], qk[:, h:], v, pool, self.layer_idx, meta, self.scale)
         return linear_add(o, self.o_proj, residual)
 
@@ -169,9 +183,9 @@ class DecoderLayer(nn.Module):
         pool: PoolView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = rms_norm(x, self.input_layernorm.weight, self.eps)
+        h = _norm(x, self.input_layernorm.weight, self.eps, meta.cpu_kernels)
         x = self.self_attn.forward(h, cos_sin, pool, meta, residual=x)
-        h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
+        h = _norm(x, self.post_attention_layernorm.weight, self.eps, meta.cpu_kernels)
         return self.mlp.forward(h, residual=x)
 
 
@@ -190,6 +204,9 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args)
+        # The C++ kernels (cpu_kernels.py: decode attention, RMSNorm, rotary + KV write),
+        # chosen by the engine at start; None: the torch ops.
+        self.cpu_kernels: CpuKernels | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -225,6 +242,7 @@ class CausalLM(nn.Module):
             sliding_window=self.args.sliding_window,
             device=device,
             dtype=self.model.embed_tokens.weight.dtype,
+            cpu_kernels=self.cpu_kernels,
         )
         if inputs_embeds is None:
             x = F.embedding(batch.input_ids.to(device), self.model.embed_tokens.weight)
@@ -234,7 +252,7 @@ class CausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, max(batch.context_lens) - 1, x.dtype)
         for layer in self.model.layers:
             x = layer.forward(x, cos_sin, pool, meta)
-        return rms_norm(x, self.model.norm.weight, self.args.rms_norm_eps)
+        return _norm(x, self.model.norm.weight, self.args.rms_norm_eps, self.cpu_kernels)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

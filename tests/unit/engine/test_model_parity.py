@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.engine.batch import ForwardBatch
+from services.engine.cpu_kernels import build_cpu_kernels
 from services.engine.loader import LoadedModel, load_model
 from services.engine.model import CausalLM
 from services.engine.rope import apply_rotary
@@ -70,12 +71,16 @@ def _tokens(n: int, seed: int, vocab: int = 96) -> list[int]:
     return [random.Random(seed * 1000 + i).randrange(3, vocab) for i in range(n)]
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=[(k, ops) for k in KINDS for ops in ("torch", "cpp")], ids=str)
 def pair(
     request: pytest.FixtureRequest, hf_checkpoint: Callable[[str], HFCheckpoint]
 ) -> tuple[HFCheckpoint, LoadedModel]:
-    ckpt = hf_checkpoint(request.param)
-    return ckpt, load_model(str(ckpt.folder))
+    kind, ops = request.param
+    ckpt = hf_checkpoint(kind)
+    loaded = load_model(str(ckpt.folder))
+    if ops == "cpp":  # the C++ kernels of cpu_kernels.py, as the engine picks them on a CPU
+        loaded.model.cpu_kernels = build_cpu_kernels()
+    return ckpt, loaded
 
 
 def test_full_prompt_in_one_forward(pair: tuple[HFCheckpoint, LoadedModel]) -> None:

@@ -1,0 +1,313 @@
+// The CPU hot path's kernels, registered as torch.ops.baton (services/engine/cpu_kernels.py):
+// paged_decode, rms_norm, rotary_write_.
+//
+// paged_decode: decode attention straight from the paged KV pool (one query per sequence).
+//
+// The pool is kv[num_blocks, layers, 2, kv_heads, block_size, head_dim] (KVLayout):
+// one head's keys of one block are block_size contiguous rows. Each task is one
+// (sequence, kv head): it walks the sequence's block table, scores all the query
+// heads that share the kv head (grouped-query attention) against each key row while
+// it is in cache, takes an exact softmax over the scores (max, exp, sum) and sums the
+// value rows weighted by it. Nothing is gathered or copied; float32 accumulation for
+// float32 and bfloat16 pools. Built by services/engine/cpu_kernels.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// Blocks of one sequence lie anywhere in the pool, so the hardware prefetcher loses
+// the stream at every block edge: ask for the next block's rows of this head early.
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t count) {
+  const char* p = reinterpret_cast<const char*>(rows);
+  const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+template <typename T, int64_t kDim>
+void decode_one(const T* q, int64_t q_head_stride, const T* kv_layer, int64_t block_stride,
+                int64_t kv_stride, int64_t head_stride, const int64_t* table, int64_t block_size,
+                int64_t start, int64_t end, int64_t group, int64_t dim_rt, float scale, T* out,
+                std::vector<float>& scratch) {
+  const int64_t dim = kDim > 0 ? kDim : dim_rt;
+  const int64_t n = end - start;
+  scratch.resize(static_cast<size_t>(group * (n + dim) + group * dim));
+  float* qf = scratch.data();               // [group, dim] scaled query
+  float* acc = qf + group * dim;            // [group, dim] weighted values
+  float* scores = acc + group * dim;        // [group, n]
+  prefetch_rows(kv_layer + table[start / block_size] * block_stride, head_stride);
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qg = q + g * q_head_stride;
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(qg[d]) * scale;
+  }
+  // Scores: each key row once, against every query head of the group.
+  for (int64_t t = start; t < end;) {
+    const int64_t block = table[t / block_size];
+    const int64_t off = t % block_size;
+    const int64_t stop = std::min(end, t + (block_size - off));
+    const T* k = kv_layer + block * block_stride + off * dim;
+    if (stop < end) prefetch_rows(kv_layer + table[stop / block_size] * block_stride, head_stride);
+    for (int64_t u = t; u < stop; ++u, k += dim) {
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf + g * dim;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_float(k[d]);
+        scores[g * n + (u - start)] = s;
+      }
+    }
+    t = stop;
+  }
+  prefetch_rows(kv_layer + table[start / block_size] * block_stride + kv_stride, head_stride);
+  // Softmax per query head.
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = std::exp(sg[i] - m);
+      sum += sg[i];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+  // Weighted values: each value row once, into every query head's accumulator.
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t t = start; t < end;) {
+    const int64_t block = table[t / block_size];
+    const int64_t off = t % block_size;
+    const int64_t stop = std::min(end, t + (block_size - off));
+    const T* v = kv_layer + block * block_stride + kv_stride + off * dim;
+    if (stop < end) {
+      prefetch_rows(kv_layer + table[stop / block_size] * block_stride + kv_stride, head_stride);
+    }
+    for (int64_t u = t; u < stop; ++u, v += dim) {
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * n + (u - start)];
+        float* ag = acc + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ag[d] += p * to_float(v[d]);
+      }
+    }
+    t = stop;
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g * dim + d]);
+}
+
+template <typename T, int64_t kDim>
+void run(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& tables,
+         const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = q.size(2);
+  const int64_t num_layers = kv.size(1), kv_heads = kv.size(3), block_size = kv.size(4);
+  const int64_t group = num_heads / kv_heads;
+  const int64_t head_stride = block_size * dim;             // one head of one block
+  const int64_t kv_stride = kv_heads * head_stride;         // K -> V
+  const int64_t layer_stride = 2 * kv_stride;
+  const int64_t block_stride = num_layers * layer_stride;
+  const T* q_ptr = q.data_ptr<T>();
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+  const T* kv_ptr = kv.data_ptr<T>() + layer * layer_stride;
+  const int64_t* table_ptr = tables.data_ptr<int64_t>();
+  const int64_t table_stride = tables.stride(0);
+  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lens_ptr[s];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      decode_one<T, kDim>(q_ptr + s * q_seq_stride + h * group * q_head_stride, q_head_stride,
+                          kv_ptr + h * head_stride, block_stride, kv_stride, head_stride,
+                          table_ptr + s * table_stride, block_size, start, len, group, dim,
+                          static_cast<float>(scale), out_ptr + (s * num_heads + h * group) * dim,
+                          scratch);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_dim(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& tables,
+                  const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return run<T, 64>(q, kv, layer, tables, lens, scale, window, out);
+    case 128: return run<T, 128>(q, kv, layer, tables, lens, scale, window, out);
+    default: return run<T, 0>(q, kv, layer, tables, lens, scale, window, out);
+  }
+}
+
+// q [S, heads, d] (rows may be strided; heads and d contiguous), kv the whole pool,
+// block_tables [S, >= ceil(len / block_size)] int64, context_lens [S] int64 (> 0),
+// window: keys kept per query (0: all). Returns [S, heads * d].
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "paged_decode runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 6, "q [S, heads, d] and kv [blocks, layers, 2, kv_heads, bs, d]");
+  TORCH_CHECK(kv.is_contiguous(), "the KV pool must be contiguous");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads and d must be contiguous");
+  TORCH_CHECK(q.size(2) == kv.size(5) && q.size(1) % kv.size(3) == 0, "head shapes disagree");
+  TORCH_CHECK(0 <= layer && layer < kv.size(1), "layer out of range");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  block_tables.stride(1) == 1 && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0),
+              "one block table row and one length per sequence");
+  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    dispatch_dim<float>(q, kv, layer, block_tables, context_lens, scale, window, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    dispatch_dim<c10::BFloat16>(q, kv, layer, block_tables, context_lens, scale, window, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+// RMSNorm over the last dim of a contiguous [rows, dim] x, in one pass per row: what
+// model.rms_norm spells out in six torch ops (each a pass and a dispatch). Float32
+// throughout; for bfloat16, the normalised row is rounded to bfloat16 before the weight,
+// as Hugging Face does.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * dim;
+      T* yr = out + r * dim;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < dim; ++d) ss += to_float(xr[d]) * to_float(xr[d]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      for (int64_t d = 0; d < dim; ++d) {
+        const T normed = static_cast<T>(to_float(xr[d]) * inv);
+        yr[d] = static_cast<T>(to_float(w[d]) * to_float(normed));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && weight.is_contiguous(),
+              "rms_norm takes contiguous CPU tensors");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(weight.numel() == dim, "weight must match the last dim");
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = dim == 0 ? 0 : x.numel() / dim;
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, dim,
+                  static_cast<float>(eps));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
+                  out.data_ptr<c10::BFloat16>(), rows, dim, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16, not ", x.scalar_type());
+  }
+  return out;
+}
+
+// RoPE (half-split convention: x * cos + roll(x) * signed_sin, as rope.apply_rotary) on
+// q and k heads in place, then k and v stored at their pool slots: kv[slot / bs, layer,
+// 0 or 1, head, slot % bs]. qk [T, heads + kv_heads, d] rows may be strided (a view of
+// the fused qkv product), heads and d contiguous; v likewise; cos / sin [T, d].
+template <typename T>
+void rotary_write_rows(T* qk, int64_t qk_row, const T* v, int64_t v_row, const T* cos,
+                       const T* sin, T* kv, const int64_t* slots, int64_t tokens, int64_t heads,
+                       int64_t kv_heads, int64_t dim, int64_t layer, int64_t layers,
+                       int64_t block_size) {
+  const int64_t half = dim / 2;
+  const int64_t head_stride = block_size * dim;
+  const int64_t kv_stride = kv_heads * head_stride;
+  const int64_t block_stride = layers * 2 * kv_stride;
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> x(static_cast<size_t>(dim));
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      const int64_t slot = slots[t];
+      T* dst = kv + (slot / block_size) * block_stride + layer * 2 * kv_stride +
+               (slot % block_size) * dim;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        T* row = qk + t * qk_row + h * dim;
+        std::copy(row, row + dim, x.begin());
+        for (int64_t d = 0; d < dim; ++d) {
+          const float rolled = to_float(x[d < half ? d + half : d - half]);
+          // Rounded as torch rounds x * cos before its addcmul (bfloat16).
+          const float xc = to_float(static_cast<T>(to_float(x[d]) * to_float(c[d])));
+          row[d] = static_cast<T>(xc + rolled * to_float(s[d]));
+        }
+        if (h >= heads) std::copy(row, row + dim, dst + (h - heads) * head_stride);
+      }
+      const T* vt = v + t * v_row;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::copy(vt + h * dim, vt + (h + 1) * dim, dst + kv_stride + h * head_stride);
+      }
+    }
+  });
+}
+
+void rotary_write_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor& kv, int64_t layer, const at::Tensor& slots) {
+  TORCH_CHECK(qk.device().is_cpu() && kv.is_contiguous() && kv.dim() == 6, "CPU qk and pool");
+  TORCH_CHECK(qk.dim() == 3 && v.dim() == 3 && qk.size(0) == v.size(0), "qk and v [T, heads, d]");
+  const int64_t tokens = qk.size(0), dim = qk.size(2), kv_heads = kv.size(3);
+  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == dim && v.stride(2) == 1 && v.stride(1) == dim,
+              "heads and d of qk and v must be contiguous");
+  TORCH_CHECK(v.size(1) == kv_heads && kv.size(5) == dim && dim % 2 == 0, "head shapes disagree");
+  TORCH_CHECK(qk.size(1) > kv_heads && 0 <= layer && layer < kv.size(1), "bad heads or layer");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * dim &&
+                  sin.numel() == tokens * dim, "cos and sin [T, d], contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
+              "slots [T] int64");
+  const auto dtype = qk.scalar_type();
+  TORCH_CHECK(v.scalar_type() == dtype && cos.scalar_type() == dtype &&
+                  sin.scalar_type() == dtype && kv.scalar_type() == dtype,
+              "qk, v, cos, sin and the pool must share a dtype");
+  const int64_t heads = qk.size(1) - kv_heads;
+  if (dtype == at::kFloat) {
+    rotary_write_rows(qk.data_ptr<float>(), qk.stride(0), v.data_ptr<float>(), v.stride(0),
+                      cos.data_ptr<float>(), sin.data_ptr<float>(), kv.data_ptr<float>(),
+                      slots.data_ptr<int64_t>(), tokens, heads, kv_heads, dim, layer, kv.size(1),
+                      kv.size(4));
+  } else if (dtype == at::kBFloat16) {
+    using B = c10::BFloat16;
+    rotary_write_rows(qk.data_ptr<B>(), qk.stride(0), v.data_ptr<B>(), v.stride(0),
+                      cos.data_ptr<B>(), sin.data_ptr<B>(), kv.data_ptr<B>(),
+                      slots.data_ptr<int64_t>(), tokens, heads, kv_heads, dim, layer, kv.size(1),
+                      kv.size(4));
+  } else {
+    TORCH_CHECK(false, "rotary_write_ supports float32 and bfloat16, not ", dtype);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(baton, m) {
+  m.def("paged_decode(Tensor q, Tensor kv, int layer, Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_write_(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, Tensor(b!) kv, int layer, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(baton, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_write_", &rotary_write_);
+}
