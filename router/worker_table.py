@@ -25,7 +25,7 @@ from itertools import chain
 import numpy as np
 
 from router.cost_model import CostModel, Profile, QuadCoeffs
-from router.estimator import PeakTable, remaining_tokens
+from router.estimator import PeakTable, remaining_tokens, remaining_tokens_of_one
 from router.length import SplitMode, long_pool, queue_wait_s
 from router.prefix_index import PrefixIndex
 from router.types import ClusterView, LengthClass, Role, RunningRequest, StepSample, WorkerView
@@ -68,6 +68,7 @@ class WorkerTable:
         # and, once released, the report's own again (see ``_running_entry``).
         self._running_cache: dict[str, list[_RunningEntry]] = {}
         self.sorted_history: np.ndarray = np.zeros(0)
+        self._history_list: tuple[np.ndarray, list[float]] | None = None  # H as floats
         self.workers: tuple[WorkerView, ...] | None = None
         self.prefix_index = PrefixIndex()
         self._allocate(0)
@@ -259,7 +260,9 @@ class WorkerTable:
         """The worker's running set as rows, with its peak table, kept while the set is
         the same object: a snapshot that moved only queues or free blocks, or a
         reservation released (the router then shows the report's own tuple again), finds
-        the rows and draws it had; only a new running set is drawn afresh."""
+        the rows and draws it had. A set one request longer or shorter than a cached one
+        with a table (a reservation added or released) keeps the others' draws
+        (``_derived``); only a new running set is drawn afresh."""
         entries = self._running_cache.setdefault(w.worker_id, [])
         running = w.running
         for k, entry in enumerate(entries):
@@ -267,10 +270,65 @@ class WorkerTable:
                 if k:
                     entries.insert(0, entries.pop(k))
                 return entry
-        entry = _extended(entries, running) or _new_entry(running)
+        entry = (
+            self._derived(entries, running) or _extended(entries, running) or _new_entry(running)
+        )
         entries.insert(0, entry)
         del entries[2:]
         return entry
+
+    def _derived(
+        self, entries: Sequence[_RunningEntry], running: tuple[RunningRequest, ...]
+    ) -> _RunningEntry | None:
+        """``running`` as a cached set drawn against today's history with one request
+        appended (a reservation placed) or one left out (one released), or None.
+
+        The requests it shares with the cached set keep their rows and their draws; an
+        appended one is drawn now. Each column is then an independent draw of its own
+        request's remaining length against today's history, as in a table drawn anew,
+        so the estimate has the distribution it had (``test_derived_tables``); the
+        table is ``PeakTable`` of those draws, and a release draws nothing."""
+        history = self.sorted_history
+        for base in entries:
+            if base.table is None or base.history is not history or base.remaining is None:
+                continue
+            old = base.running
+            n = len(old)
+            if len(running) == n + 1 and (not n or running[n - 1] is old[n - 1]):
+                if running[:n] != old:
+                    continue
+                added = running[n]
+                u = self._rng.random(self.settings.num_draws).tolist()
+                drawn = remaining_tokens_of_one(
+                    self._history_floats(), added.num_generated, added.max_tokens, u
+                )
+                remaining = np.empty((len(u), n + 1))
+                remaining[:, :n] = base.remaining
+                remaining[:, n] = drawn
+                row = (added.num_tokens_held, added.num_generated, added.max_tokens)
+                rows = np.concatenate((base.rows, np.array((row,), dtype=np.float64)))
+                held_total = base.held_total + added.num_tokens_held
+            elif len(running) == n - 1 and n > 1:
+                j = n - 1  # the one left out: reservations follow the report, so look back
+                while j > 0 and running[j - 1] is old[j]:
+                    j -= 1
+                if running[:j] != old[:j]:
+                    continue
+                remaining = np.concatenate((base.remaining[:, :j], base.remaining[:, j + 1 :]), 1)
+                rows = np.concatenate((base.rows[:j], base.rows[j + 1 :]))
+                held_total = base.held_total - old[j].num_tokens_held
+            else:
+                continue
+            entry = _RunningEntry(running, rows, held_total, remaining=remaining)
+            entry.table, entry.history = PeakTable(remaining, rows[:, 0]), history
+            return entry
+        return None
+
+    def _history_floats(self) -> list[float]:
+        cached = self._history_list
+        if cached is None or cached[0] is not self.sorted_history:
+            cached = self._history_list = (self.sorted_history, self.sorted_history.tolist())
+        return cached[1]
 
     def _draw_tables(self, workers: Sequence[WorkerView]) -> None:
         """Draw at once the peak tables that filling these rows, in this order, would
@@ -302,6 +360,7 @@ class WorkerTable:
         for entry, n in zip(due, sizes, strict=True):
             remaining = r[:, column : column + n]
             entry.table, entry.history = PeakTable(remaining, entry.rows[:, 0]), history
+            entry.remaining = remaining
             column += n
 
     def _peak_table(self, entry: _RunningEntry) -> PeakTable:
@@ -312,6 +371,7 @@ class WorkerTable:
         u = self._rng.random((self.settings.num_draws, len(rows)))
         r = remaining_tokens(self.sorted_history, rows[:, 1], rows[:, 2], u)
         entry.table, entry.history = PeakTable(r, rows[:, 0]), self.sorted_history
+        entry.remaining = r
         return entry.table
 
     def _ingest_steps(self, w: WorkerView, model: CostModel) -> None:
@@ -346,6 +406,7 @@ class _RunningEntry:
     held_total: float
     table: PeakTable | None = None  # drawn against ``history``
     history: np.ndarray | None = None
+    remaining: np.ndarray | None = None  # the (S, n) draws behind ``table``, a column each
 
 
 def _new_entry(running: tuple[RunningRequest, ...]) -> _RunningEntry:

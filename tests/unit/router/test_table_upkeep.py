@@ -52,16 +52,15 @@ def _reference_rows(running: tuple[RunningRequest, ...]) -> np.ndarray:
 
 
 def _reference_running_entry(t: WorkerTable, w: WorkerView) -> _RunningEntry:
-    entries = t._running_cache.setdefault(w.worker_id, [])
-    for k, entry in enumerate(entries):
-        if entry.running is w.running:
-            if k:
-                entries.insert(0, entries.pop(k))
-            return entry
+    # The cache, and which draws it keeps (``_derived``, test_derived_tables.py), is
+    # today's; its rows must be the set's, and a kept table the one of its draws.
+    entry = t._running_entry(w)
     rows = _reference_rows(w.running)
-    entry = _RunningEntry(w.running, rows, float(rows[:, 0].sum()))
-    entries.insert(0, entry)
-    del entries[2:]
+    assert np.array_equal(entry.rows, rows)
+    assert entry.held_total == float(rows[:, 0].sum())
+    if entry.table is not None:
+        assert entry.remaining is not None
+        assert np.array_equal(entry.table._terms, PeakTable(entry.remaining, rows[:, 0])._terms)
     return entry
 
 
@@ -146,7 +145,12 @@ def _reference_fill_row(t: WorkerTable, i: int, w: WorkerView) -> None:
 
 class _ReferenceTable(WorkerTable):
     def _draw_tables(self, workers: Sequence[WorkerView]) -> None:
-        pass  # the reference draws each row's table as it fills the row
+        # The reference draws each new set's table as it fills the row; the sets derived
+        # from a cached one (today's ``_running_entry``) are taken first, in row order,
+        # as ``_draw_tables`` does before drawing the others at once.
+        for w in workers:
+            if w.role is Role.DECODE or w.role in self.settings.colocate_roles:
+                _reference_running_entry(self, w)
 
     def _fill_row(self, i: int, w: WorkerView) -> None:
         _reference_fill_row(self, i, w)
@@ -305,6 +309,17 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
         return entry
 
     monkeypatch.setattr("router.worker_table._extended", counted)
+    derive = WorkerTable._derived
+    derived: list[_RunningEntry | None] = []
+
+    def counted_derived(
+        t: WorkerTable, entries: Sequence[_RunningEntry], running: tuple[RunningRequest, ...]
+    ) -> _RunningEntry | None:
+        entry = derive(t, entries, running)
+        derived.append(entry)
+        return entry
+
+    monkeypatch.setattr(WorkerTable, "_derived", counted_derived)
     for k in range(400):
         action = rng.random()
         if action < 0.3:
@@ -327,6 +342,7 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
         ref.sync(view)
         _assert_same(new, ref)
     assert len(extended) > 20  # reservations were added on top of known running sets
+    assert sum(e is not None for e in derived) > 20  # and kept their draws
 
 
 @pytest.mark.parametrize("seed", range(4))
