@@ -31,7 +31,6 @@ O(S·n) without redrawing.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -46,7 +45,6 @@ __all__ = [
     "RunningLike",
     "peak_per_draw",
     "remaining_tokens",
-    "remaining_tokens_of_one",
     "sample_output_lengths",
     "sorted_history",
 ]
@@ -161,35 +159,6 @@ def remaining_tokens(
     """``r = max(0, L̂ − g − 1)`` for each draw and request."""
     drawn = sample_output_lengths(sorted_lengths, num_generated, max_tokens, u)
     return np.maximum(drawn - num_generated - 1.0, 0.0)
-
-
-def remaining_tokens_of_one(
-    sorted_lengths: list[float], num_generated: float, max_tokens: float, u: list[float]
-) -> list[float]:
-    """``remaining_tokens`` for one request, a draw per ``u``, in Python floats: the
-    same operations on the same doubles, so the same values (``sorted_lengths`` is
-    sorted ``H`` as a list). For a few draws of one request a numpy call per operation
-    costs more than the arithmetic."""
-    g = num_generated
-    cap = max(max_tokens, g)
-    m = len(sorted_lengths)
-    lo = bisect_right(sorted_lengths, g)  # first entry longer than g
-    count = m - lo
-    out = []
-    for x in u:
-        if m == 0 or count == 0:  # outran all of H: only the cap bounds it
-            drawn = min(g + x * (cap - g), cap)
-        else:
-            pos = lo + x * max(count - 1, 0)
-            if m == 1:
-                drawn = sorted_lengths[0]
-            else:
-                j = min(int(pos), m - 2)
-                base = sorted_lengths[j]
-                drawn = base + (pos - j) * (sorted_lengths[j + 1] - base)
-            drawn = min(drawn, cap)
-        out.append(max(drawn - g - 1.0, 0.0))
-    return out
 
 
 def peak_per_draw(remaining: np.ndarray, held: np.ndarray) -> np.ndarray:

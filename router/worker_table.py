@@ -20,19 +20,17 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
 from router.cost_model import CostModel, Profile, QuadCoeffs
-from router.estimator import PeakTable, remaining_tokens, remaining_tokens_of_one
+from router.estimator import PeakTable, remaining_tokens
 from router.length import SplitMode, long_pool, queue_wait_s
 from router.prefix_index import PrefixIndex
+from router.running_sets import RunningEntry, derived_entry, extended_entry, new_entry
 from router.types import ClusterView, LengthClass, Role, RunningRequest, StepSample, WorkerView
 
 __all__ = ["TableSettings", "WorkerTable"]
-
-_ROW_FIELDS = operator.attrgetter("num_tokens_held", "num_generated", "max_tokens")
 
 _ROLE_CODES = {Role.PREFILL: 0, Role.DECODE: 1, Role.MIXED: 2, Role.ENCODE: 3}
 
@@ -66,7 +64,7 @@ class WorkerTable:
         self._last_steps: dict[str, tuple[StepSample, ...]] = {}  # the last tuple read
         # Per worker, its two most recent running sets (newest first): a reservation's
         # and, once released, the report's own again (see ``_running_entry``).
-        self._running_cache: dict[str, list[_RunningEntry]] = {}
+        self._running_cache: dict[str, list[RunningEntry]] = {}
         self.sorted_history: np.ndarray = np.zeros(0)
         self._history_list: tuple[np.ndarray, list[float]] | None = None  # H as floats
         self.workers: tuple[WorkerView, ...] | None = None
@@ -256,13 +254,13 @@ class WorkerTable:
         own = QuadCoeffs(step_s, coeffs.b + step_s / chunk, coeffs.c)
         return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
-    def _running_entry(self, w: WorkerView) -> _RunningEntry:
+    def _running_entry(self, w: WorkerView) -> RunningEntry:
         """The worker's running set as rows, with its peak table, kept while the set is
         the same object: a snapshot that moved only queues or free blocks, or a
         reservation released (the router then shows the report's own tuple again), finds
         the rows and draws it had. A set one request longer or shorter than a cached one
         with a table (a reservation added or released) keeps the others' draws
-        (``_derived``); only a new running set is drawn afresh."""
+        (``router.running_sets.derived_entry``); only a new running set is drawn afresh."""
         entries = self._running_cache.setdefault(w.worker_id, [])
         running = w.running
         for k, entry in enumerate(entries):
@@ -271,58 +269,26 @@ class WorkerTable:
                     entries.insert(0, entries.pop(k))
                 return entry
         entry = (
-            self._derived(entries, running) or _extended(entries, running) or _new_entry(running)
+            self._derived(entries, running)
+            or extended_entry(entries, running)
+            or new_entry(running)
         )
         entries.insert(0, entry)
         del entries[2:]
         return entry
 
     def _derived(
-        self, entries: Sequence[_RunningEntry], running: tuple[RunningRequest, ...]
-    ) -> _RunningEntry | None:
-        """``running`` as a cached set drawn against today's history with one request
-        appended (a reservation placed) or one left out (one released), or None.
-
-        The requests it shares with the cached set keep their rows and their draws; an
-        appended one is drawn now. Each column is then an independent draw of its own
-        request's remaining length against today's history, as in a table drawn anew,
-        so the estimate has the distribution it had (``test_derived_tables``); the
-        table is ``PeakTable`` of those draws, and a release draws nothing."""
-        history = self.sorted_history
-        for base in entries:
-            if base.table is None or base.history is not history or base.remaining is None:
-                continue
-            old = base.running
-            n = len(old)
-            if len(running) == n + 1 and (not n or running[n - 1] is old[n - 1]):
-                if running[:n] != old:
-                    continue
-                added = running[n]
-                u = self._rng.random(self.settings.num_draws).tolist()
-                drawn = remaining_tokens_of_one(
-                    self._history_floats(), added.num_generated, added.max_tokens, u
-                )
-                remaining = np.empty((len(u), n + 1))
-                remaining[:, :n] = base.remaining
-                remaining[:, n] = drawn
-                row = (added.num_tokens_held, added.num_generated, added.max_tokens)
-                rows = np.concatenate((base.rows, np.array((row,), dtype=np.float64)))
-                held_total = base.held_total + added.num_tokens_held
-            elif len(running) == n - 1 and n > 1:
-                j = n - 1  # the one left out: reservations follow the report, so look back
-                while j > 0 and running[j - 1] is old[j]:
-                    j -= 1
-                if running[:j] != old[:j]:
-                    continue
-                remaining = np.concatenate((base.remaining[:, :j], base.remaining[:, j + 1 :]), 1)
-                rows = np.concatenate((base.rows[:j], base.rows[j + 1 :]))
-                held_total = base.held_total - old[j].num_tokens_held
-            else:
-                continue
-            entry = _RunningEntry(running, rows, held_total, remaining=remaining)
-            entry.table, entry.history = PeakTable(remaining, rows[:, 0]), history
-            return entry
-        return None
+        self, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
+    ) -> RunningEntry | None:
+        """``running`` derived from a cached set, its draws kept (``derived_entry``)."""
+        return derived_entry(
+            entries,
+            running,
+            self.sorted_history,
+            self._history_floats,
+            self._rng,
+            self.settings.num_draws,
+        )
 
     def _history_floats(self) -> list[float]:
         cached = self._history_list
@@ -363,7 +329,7 @@ class WorkerTable:
             entry.remaining = remaining
             column += n
 
-    def _peak_table(self, entry: _RunningEntry) -> PeakTable:
+    def _peak_table(self, entry: RunningEntry) -> PeakTable:
         """Reused while H has not changed."""
         if entry.table is not None and entry.history is self.sorted_history:
             return entry.table
@@ -397,42 +363,3 @@ class WorkerTable:
             mask |= self.role == _ROLE_CODES[role]
         result: np.ndarray = mask & self.usable
         return result
-
-
-@dataclass(slots=True)
-class _RunningEntry:
-    running: tuple[RunningRequest, ...]
-    rows: np.ndarray  # (c, g, M) per running request
-    held_total: float
-    table: PeakTable | None = None  # drawn against ``history``
-    history: np.ndarray | None = None
-    remaining: np.ndarray | None = None  # the (S, n) draws behind ``table``, a column each
-
-
-def _new_entry(running: tuple[RunningRequest, ...]) -> _RunningEntry:
-    rows = _running_rows(running)
-    return _RunningEntry(running, rows, float(rows[:, 0].sum()))
-
-
-def _extended(
-    entries: Sequence[_RunningEntry], running: tuple[RunningRequest, ...]
-) -> _RunningEntry | None:
-    """A cached set with requests appended (the router adds a reservation at the end of
-    the report's tuple): its rows plus the new ones' rows, without re-reading the rest.
-    Tokens are integers, so the sums are exact in any order: the same rows and total
-    as ``_new_entry``."""
-    for entry in entries:
-        old = entry.running
-        n = len(old)
-        if n < len(running) and running[:n] == old:
-            tail = _running_rows(running[n:])
-            rows = np.concatenate((entry.rows, tail))
-            return _RunningEntry(running, rows, entry.held_total + float(tail[:, 0].sum()))
-    return None
-
-
-def _running_rows(running: Sequence[RunningRequest]) -> np.ndarray:
-    """(c, g, M) of each running request as an (n, 3) array."""
-    n = len(running)
-    flat = np.fromiter(chain.from_iterable(map(_ROW_FIELDS, running)), np.float64, 3 * n)
-    return flat.reshape(n, 3)

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from router.cost_model import DEFAULT_PROFILE, CostModel
-from router.estimator import PeakTable, remaining_tokens, remaining_tokens_of_one
+from router.estimator import PeakTable, remaining_tokens
 from router.front_door import Router, RouterSettings
 from router.length import SplitMode
+from router.running_sets import RunningEntry, new_entry, remaining_tokens_of_one
 from router.types import Plan, RequestProfile, Role, RunningRequest, WorkerView
-from router.worker_table import TableSettings, WorkerTable, _new_entry, _RunningEntry
+from router.worker_table import TableSettings, WorkerTable
 from services.workers.messages import WorkerSnapshot
 from tests.unit.router.test_table_upkeep import _snapshot
 
@@ -49,7 +50,7 @@ def _decode_table(seed: int, num_draws: int = 5) -> WorkerTable:
     return t
 
 
-def _entry_of(t: WorkerTable, running: tuple[RunningRequest, ...]) -> _RunningEntry:
+def _entry_of(t: WorkerTable, running: tuple[RunningRequest, ...]) -> RunningEntry:
     entry = t._running_entry(WorkerView(worker_id="d0", role=Role.DECODE, running=running))
     t._peak_table(entry)
     return entry
@@ -94,8 +95,8 @@ def test_a_reservation_keeps_the_base_draws_and_its_release_draws_nothing(seed: 
     own = remaining_tokens(history, np.zeros(1), np.array([500.0]), replay.random((5, 1)))
     assert np.array_equal(e_a.remaining[:, n:], own)
     assert replay.bit_generator.state == t._rng.bit_generator.state
-    assert np.array_equal(e_a.rows, _new_entry((*base, a)).rows)
-    assert e_a.held_total == _new_entry((*base, a)).held_total
+    assert np.array_equal(e_a.rows, new_entry((*base, a)).rows)
+    assert e_a.held_total == new_entry((*base, a)).held_total
     assert np.array_equal(e_a.table._terms, PeakTable(e_a.remaining, e_a.rows[:, 0])._terms)
 
     e_ab = _entry_of(t, (*base, a, b))
@@ -108,8 +109,8 @@ def test_a_reservation_keeps_the_base_draws_and_its_release_draws_nothing(seed: 
     assert t._rng.bit_generator.state == state
     assert np.array_equal(e_b.remaining[:, :n], base_remaining)
     assert np.array_equal(e_b.remaining[:, n], e_ab.remaining[:, n + 1])
-    assert np.array_equal(e_b.rows, _new_entry((*base, b)).rows)
-    assert e_b.held_total == _new_entry((*base, b)).held_total
+    assert np.array_equal(e_b.rows, new_entry((*base, b)).rows)
+    assert e_b.held_total == new_entry((*base, b)).held_total
     assert np.array_equal(e_b.table._terms, PeakTable(e_b.remaining, e_b.rows[:, 0])._terms)
     # A request of the report released (the first): same.
     if n > 1:
@@ -250,7 +251,7 @@ def test_kept_draws_give_the_estimate_of_fresh_ones() -> None:
             entry = _entry_of(t, running)
         assert entry.table is not None
         kept.append(entry.table.peak_tokens)
-        rows = _new_entry((*base, b, c)).rows
+        rows = new_entry((*base, b, c)).rows
         u = np.random.default_rng(10_000 + seed).random((3, len(rows)))
         r = remaining_tokens(t.sorted_history, rows[:, 1], rows[:, 2], u)
         fresh.append(PeakTable(r, rows[:, 0]).peak_tokens)

@@ -23,6 +23,7 @@ from router.cost_model import DEFAULT_PROFILE, CostModel
 from router.estimator import PeakTable, remaining_tokens
 from router.front_door import Router, RouterSettings
 from router.length import SplitMode, queue_wait_s
+from router.running_sets import ROW_FIELDS, RunningEntry, extended_entry, new_entry
 from router.types import (
     LengthClass,
     Plan,
@@ -32,26 +33,18 @@ from router.types import (
     StepSample,
     WorkerView,
 )
-from router.worker_table import (
-    _ROLE_CODES,
-    _ROW_FIELDS,
-    TableSettings,
-    WorkerTable,
-    _extended,
-    _new_entry,
-    _RunningEntry,
-)
+from router.worker_table import _ROLE_CODES, TableSettings, WorkerTable
 from services.workers.messages import WorkerSnapshot
 
 
 # -- the replaced code -------------------------------------------------------------------
 def _reference_rows(running: tuple[RunningRequest, ...]) -> np.ndarray:
     n = len(running)
-    flat = np.fromiter(chain.from_iterable(map(_ROW_FIELDS, running)), np.float64, 3 * n)
+    flat = np.fromiter(chain.from_iterable(map(ROW_FIELDS, running)), np.float64, 3 * n)
     return flat.reshape(n, 3)
 
 
-def _reference_running_entry(t: WorkerTable, w: WorkerView) -> _RunningEntry:
+def _reference_running_entry(t: WorkerTable, w: WorkerView) -> RunningEntry:
     # The cache, and which draws it keeps (``_derived``, test_derived_tables.py), is
     # today's; its rows must be the set's, and a kept table the one of its draws.
     entry = t._running_entry(w)
@@ -300,21 +293,21 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
     for wid in roles:
         report(wid)
     placed: list[str] = []
-    extended: list[_RunningEntry] = []
+    extended: list[RunningEntry] = []
 
-    def counted(entries: list[_RunningEntry], running: tuple[RunningRequest, ...]) -> object:
-        entry = _extended(entries, running)
+    def counted(entries: list[RunningEntry], running: tuple[RunningRequest, ...]) -> object:
+        entry = extended_entry(entries, running)
         if entry is not None:
             extended.append(entry)
         return entry
 
-    monkeypatch.setattr("router.worker_table._extended", counted)
+    monkeypatch.setattr("router.worker_table.extended_entry", counted)
     derive = WorkerTable._derived
-    derived: list[_RunningEntry | None] = []
+    derived: list[RunningEntry | None] = []
 
     def counted_derived(
-        t: WorkerTable, entries: Sequence[_RunningEntry], running: tuple[RunningRequest, ...]
-    ) -> _RunningEntry | None:
+        t: WorkerTable, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
+    ) -> RunningEntry | None:
         entry = derive(t, entries, running)
         derived.append(entry)
         return entry
@@ -349,17 +342,17 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
 def test_an_extended_running_set_has_the_rows_of_a_new_one(seed: int) -> None:
     rng = random.Random(seed)
     base = _running(rng, Role.DECODE)
-    entries = [_new_entry(_running(rng, Role.DECODE)), _new_entry(base)]
+    entries = [new_entry(_running(rng, Role.DECODE)), new_entry(base)]
     added = tuple(RunningRequest(rng.randint(1, 5000), 0, 400) for _ in range(rng.randint(1, 3)))
     running = (*base, *added)
-    extended = _extended(entries, running)
+    extended = extended_entry(entries, running)
     assert extended is not None
-    fresh = _new_entry(running)
+    fresh = new_entry(running)
     assert extended.running is running
     assert np.array_equal(extended.rows, fresh.rows)
     assert extended.held_total == fresh.held_total
     # A set that does not start with a cached one is not an extension.
-    assert _extended(entries, (*added, *base)) is None or not base
+    assert extended_entry(entries, (*added, *base)) is None or not base
 
 
 def _reference_remaining(
