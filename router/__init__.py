@@ -14,7 +14,8 @@ Modules, one idea each:
 * ``cost_model``: profile JSON format, prefill/decode/transfer curves refitted online;
 * ``estimator``: the past-future KV peak estimator and the engine's admission rule;
 * ``length``: effective prefill length, short/long classes, per-class queue waits;
-* ``worker_table`` / ``prefix_index``: per-snapshot caches behind ``slo_goodput``;
+* ``worker_table`` / ``running_sets`` / ``prefix_index``: per-snapshot caches behind
+  ``slo_goodput``;
 * ``planner`` / ``cli_plan``: P/D pool sizing and role flips; ``baton plan``.
 """
 

@@ -126,6 +126,9 @@ class _Reservation:
     image_tokens: int = 0  # queued on the plan's encode worker until its first event
     # Split over several encode workers: each one's share of ``image_tokens``.
     encode_tokens: dict[str, int] | None = None
+    # Its row in the decode worker's running set, one object for its lifetime: the
+    # policy keeps a request's memory-estimate draws while the same object runs there.
+    running: RunningRequest | None = None
 
 
 @dataclass(slots=True)
@@ -526,7 +529,10 @@ class Router:
                     queued_requests[LengthClass.SHORT] += 1 if share else 0
                 if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
                     num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
-                    added.append(RunningRequest(r.held_tokens, 0, r.max_tokens))
+                    row = r.running
+                    if row is None:
+                        row = r.running = RunningRequest(r.held_tokens, 0, r.max_tokens)
+                    added.append(row)
                     if r.plan.prefill_worker != wid:  # its KV comes over this worker's link
                         inbound_tokens += r.held_tokens
             if added:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -28,11 +27,10 @@ from router.cost_model import CostModel, Profile, QuadCoeffs
 from router.estimator import PeakTable, remaining_tokens
 from router.length import SplitMode, long_pool, queue_wait_s
 from router.prefix_index import PrefixIndex
+from router.running_sets import RunningEntry, derived_entry, extended_entry, new_entry
 from router.types import ClusterView, LengthClass, Role, RunningRequest, StepSample, WorkerView
 
 __all__ = ["TableSettings", "WorkerTable"]
-
-_ROW_FIELDS = operator.attrgetter("num_tokens_held", "num_generated", "max_tokens")
 
 _ROLE_CODES = {Role.PREFILL: 0, Role.DECODE: 1, Role.MIXED: 2, Role.ENCODE: 3}
 
@@ -66,8 +64,9 @@ class WorkerTable:
         self._last_steps: dict[str, tuple[StepSample, ...]] = {}  # the last tuple read
         # Per worker, its two most recent running sets (newest first): a reservation's
         # and, once released, the report's own again (see ``_running_entry``).
-        self._running_cache: dict[str, list[_RunningEntry]] = {}
+        self._running_cache: dict[str, list[RunningEntry]] = {}
         self.sorted_history: np.ndarray = np.zeros(0)
+        self._history_list: tuple[np.ndarray, list[float]] | None = None  # H as floats
         self.workers: tuple[WorkerView, ...] | None = None
         self.prefix_index = PrefixIndex()
         self._allocate(0)
@@ -255,11 +254,13 @@ class WorkerTable:
         own = QuadCoeffs(step_s, coeffs.b + step_s / chunk, coeffs.c)
         return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
-    def _running_entry(self, w: WorkerView) -> _RunningEntry:
+    def _running_entry(self, w: WorkerView) -> RunningEntry:
         """The worker's running set as rows, with its peak table, kept while the set is
         the same object: a snapshot that moved only queues or free blocks, or a
         reservation released (the router then shows the report's own tuple again), finds
-        the rows and draws it had; only a new running set is drawn afresh."""
+        the rows and draws it had. A set one request longer or shorter than a cached one
+        with a table (a reservation added or released) keeps the others' draws
+        (``router.running_sets.derived_entry``); only a new running set is drawn afresh."""
         entries = self._running_cache.setdefault(w.worker_id, [])
         running = w.running
         for k, entry in enumerate(entries):
@@ -267,10 +268,33 @@ class WorkerTable:
                 if k:
                     entries.insert(0, entries.pop(k))
                 return entry
-        entry = _extended(entries, running) or _new_entry(running)
+        entry = (
+            self._derived(entries, running)
+            or extended_entry(entries, running)
+            or new_entry(running)
+        )
         entries.insert(0, entry)
         del entries[2:]
         return entry
+
+    def _derived(
+        self, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
+    ) -> RunningEntry | None:
+        """``running`` derived from a cached set, its draws kept (``derived_entry``)."""
+        return derived_entry(
+            entries,
+            running,
+            self.sorted_history,
+            self._history_floats,
+            self._rng,
+            self.settings.num_draws,
+        )
+
+    def _history_floats(self) -> list[float]:
+        cached = self._history_list
+        if cached is None or cached[0] is not self.sorted_history:
+            cached = self._history_list = (self.sorted_history, self.sorted_history.tolist())
+        return cached[1]
 
     def _draw_tables(self, workers: Sequence[WorkerView]) -> None:
         """Draw at once the peak tables that filling these rows, in this order, would
@@ -302,9 +326,10 @@ class WorkerTable:
         for entry, n in zip(due, sizes, strict=True):
             remaining = r[:, column : column + n]
             entry.table, entry.history = PeakTable(remaining, entry.rows[:, 0]), history
+            entry.remaining = remaining
             column += n
 
-    def _peak_table(self, entry: _RunningEntry) -> PeakTable:
+    def _peak_table(self, entry: RunningEntry) -> PeakTable:
         """Reused while H has not changed."""
         if entry.table is not None and entry.history is self.sorted_history:
             return entry.table
@@ -312,6 +337,7 @@ class WorkerTable:
         u = self._rng.random((self.settings.num_draws, len(rows)))
         r = remaining_tokens(self.sorted_history, rows[:, 1], rows[:, 2], u)
         entry.table, entry.history = PeakTable(r, rows[:, 0]), self.sorted_history
+        entry.remaining = r
         return entry.table
 
     def _ingest_steps(self, w: WorkerView, model: CostModel) -> None:
@@ -337,41 +363,3 @@ class WorkerTable:
             mask |= self.role == _ROLE_CODES[role]
         result: np.ndarray = mask & self.usable
         return result
-
-
-@dataclass(slots=True)
-class _RunningEntry:
-    running: tuple[RunningRequest, ...]
-    rows: np.ndarray  # (c, g, M) per running request
-    held_total: float
-    table: PeakTable | None = None  # drawn against ``history``
-    history: np.ndarray | None = None
-
-
-def _new_entry(running: tuple[RunningRequest, ...]) -> _RunningEntry:
-    rows = _running_rows(running)
-    return _RunningEntry(running, rows, float(rows[:, 0].sum()))
-
-
-def _extended(
-    entries: Sequence[_RunningEntry], running: tuple[RunningRequest, ...]
-) -> _RunningEntry | None:
-    """A cached set with requests appended (the router adds a reservation at the end of
-    the report's tuple): its rows plus the new ones' rows, without re-reading the rest.
-    Tokens are integers, so the sums are exact in any order: the same rows and total
-    as ``_new_entry``."""
-    for entry in entries:
-        old = entry.running
-        n = len(old)
-        if n < len(running) and running[:n] == old:
-            tail = _running_rows(running[n:])
-            rows = np.concatenate((entry.rows, tail))
-            return _RunningEntry(running, rows, entry.held_total + float(tail[:, 0].sum()))
-    return None
-
-
-def _running_rows(running: Sequence[RunningRequest]) -> np.ndarray:
-    """(c, g, M) of each running request as an (n, 3) array."""
-    n = len(running)
-    flat = np.fromiter(chain.from_iterable(map(_ROW_FIELDS, running)), np.float64, 3 * n)
-    return flat.reshape(n, 3)

@@ -84,6 +84,12 @@ from router.worker_table import TableSettings, WorkerTable
 
 __all__ = ["SloGoodput"]
 
+
+def _any(mask: np.ndarray) -> bool:
+    """``mask.any()`` without the Python wrapper ``ndarray.any`` goes through."""
+    return bool(np.count_nonzero(mask))
+
+
 _CANDIDATE_RING = 64  # pre-drawn candidate lengths, reused cyclically
 _DEFAULT_SLO = SLO(ttft_s=2.0, tpot_s=0.2)  # RouterConfig.default_slo's defaults
 
@@ -121,6 +127,7 @@ class SloGoodput:
     _profile: Profile = field(init=False, repr=False)
     _history_source: tuple[int, ...] | None = field(init=False, repr=False, default=None)
     _ring: np.ndarray = field(init=False, repr=False)
+    _ring_rows: list[list[float]] = field(init=False, repr=False)  # ``_ring`` as floats
     _ring_u: np.ndarray = field(init=False, repr=False)
     _ring_next: int = field(init=False, repr=False, default=0)
     _mean_output_len: float = field(init=False, repr=False, default=1.0)
@@ -213,6 +220,8 @@ class SloGoodput:
         bounded each gap, a busy mixed worker took no prompt at all: on the memory-bound
         workload, whose outputs of thousands of tokens each absorb a stall, every
         colocated request was held and refused.)"""
+        if not _any(t.chunk_tokens):
+            return t.step_base_s  # no worker prefills in chunks: no stall (+ 0.0 exactly)
         queued = t.queued_tokens + n
         chunks = np.ceil(queued / np.maximum(t.chunk_tokens, 1.0))
         stall_s = chunks * t.chunk_fixed_s + t.chunk_s_per_token * queued
@@ -235,6 +244,7 @@ class SloGoodput:
             sorted_h, np.zeros(1), np.array([float(sorted_h[-1]) + 1.0]), u
         )
         self._ring = drawn.reshape(self._ring_u.shape)
+        self._ring_rows = self._ring.tolist()
 
     # -- deciding ----------------------------------------------------------------------
 
@@ -270,8 +280,10 @@ class SloGoodput:
         # Decode-side checks shared by both kinds of plan: TPOT with the request added,
         # memory bounds of the past-future peak (see ``_pick``).
         held_q = float(profile.num_prompt_tokens + profile.num_image_tokens)
-        r_q = np.maximum(np.minimum(self._next_candidate(), profile.max_tokens) - 1.0, 0.0)
-        r_q_max = max(r_q.tolist())  # a handful of draws: cheaper than a numpy reduction
+        # A handful of draws: Python floats (the same values) cost less than numpy calls.
+        max_tokens = profile.max_tokens
+        r_q = [max(min(x, max_tokens) - 1.0, 0.0) for x in self._next_candidate()]
+        r_q_max = max(r_q)
         tpot_pred = t.step_base_s + t.step_per_token_s * held_q
         if batch:
             room, slack, limit = t.batch_room_tokens, t.batch_slack_tokens, t.batch_limit_tokens
@@ -296,9 +308,9 @@ class SloGoodput:
             # (with every link past it, the least loaded one).
             link_s = t.inbound_tokens * t.transfer_s_per_token
             short_link = ok & (link_s <= tpot_limit_s)
-            if short_link.any():
+            if _any(short_link):
                 ok = short_link
-            elif ok.any():
+            elif _any(ok):
                 ok = ok & (link_s <= link_s[ok].min())
             d = self._pick(ok, sure, -t.fullness, held_q, r_q, limit)
             if d >= 0:
@@ -314,7 +326,7 @@ class SloGoodput:
             & (coloc_tpot_s <= tpot_limit_s)
             & self._may_colocate(t, is_long)
         )
-        if ok.any():
+        if _any(ok):
             cost = ttft_local + t.stall_per_prefill_s * prefill_s
             c = self._pick(ok, sure, -cost, held_q, r_q, limit)
             if c >= 0 and (best is None or cost[c] < best[0]):
@@ -338,12 +350,12 @@ class SloGoodput:
         if self.length_split != SplitMode.SPATIAL:
             return t.prefill_penalty
         pool = np.where(t.in_long_pool == is_long, t.prefill_penalty, np.inf)
-        return pool if np.isfinite(pool).any() else t.prefill_penalty
+        return pool if _any(np.isfinite(pool)) else t.prefill_penalty
 
     def _may_colocate(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray | bool:
         """Spatial split with a long pool: a long prompt prefills only there, never on a
         colocated host, where it would hold up that host's short prefills."""
-        if self.length_split != SplitMode.SPATIAL or not t.in_long_pool.any():
+        if self.length_split != SplitMode.SPATIAL or not _any(t.in_long_pool):
             return True
         return np.logical_not(is_long)
 
@@ -356,10 +368,9 @@ class SloGoodput:
         total = profile.num_prompt_tokens + profile.num_image_tokens
         n = np.empty(len(t.role))
         n.fill(float(total))
-        if matched:
-            index = np.fromiter(matched.keys(), dtype=np.intp, count=len(matched))
-            blocks = np.fromiter(matched.values(), dtype=np.float64, count=len(matched))
-            n[index] = np.maximum(1.0, total - blocks * t.block_size[index])
+        block_size = t.block_size
+        for index, blocks in matched.items():  # a few workers: Python floats, same values
+            n[index] = max(1.0, total - blocks * float(block_size[index]))
         return n
 
     def _encode(
@@ -404,8 +415,8 @@ class SloGoodput:
         index = next(i for i, w in enumerate(workers) if w.worker_id == prefill_worker)
         return bool(remote[index])
 
-    def _next_candidate(self) -> np.ndarray:
-        row: np.ndarray = self._ring[self._ring_next]
+    def _next_candidate(self) -> list[float]:
+        row: list[float] = self._ring_rows[self._ring_next]
         self._ring_next = (self._ring_next + 1) % _CANDIDATE_RING
         return row
 
@@ -415,7 +426,7 @@ class SloGoodput:
         sure: np.ndarray,
         preference: np.ndarray,
         held_q: float,
-        r_q: np.ndarray,
+        r_q: list[float],
         limit: np.ndarray,
     ) -> int:
         """The most preferred ``ok`` worker whose peak with the candidate fits, or -1.
@@ -425,16 +436,17 @@ class SloGoodput:
         preferred first, only where they beat the best sure one."""
         best, best_pref = -1, -np.inf
         fits = ok & sure
-        if fits.any():
+        if _any(fits):
             best = int(np.where(fits, preference, -np.inf).argmax())
             best_pref = float(preference[best])
         better = (ok & (preference > best_pref)).nonzero()[0]
         if better.size:
+            r_q_array = np.array(r_q)
             better = better[~sure[better]]
             order = better[(-preference[better]).argsort(kind="stable")]
             for i in order[: self.max_exact_checks]:
                 table = self._table.tables[i]
-                if table is not None and table.peak_with(held_q, r_q) < limit[i]:
+                if table is not None and table.peak_with(held_q, r_q_array) < limit[i]:
                     return int(i)
         return best
 

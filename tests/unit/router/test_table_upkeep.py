@@ -23,6 +23,7 @@ from router.cost_model import DEFAULT_PROFILE, CostModel
 from router.estimator import PeakTable, remaining_tokens
 from router.front_door import Router, RouterSettings
 from router.length import SplitMode, queue_wait_s
+from router.running_sets import ROW_FIELDS, RunningEntry, extended_entry, new_entry
 from router.types import (
     LengthClass,
     Plan,
@@ -32,36 +33,27 @@ from router.types import (
     StepSample,
     WorkerView,
 )
-from router.worker_table import (
-    _ROLE_CODES,
-    _ROW_FIELDS,
-    TableSettings,
-    WorkerTable,
-    _extended,
-    _new_entry,
-    _RunningEntry,
-)
+from router.worker_table import _ROLE_CODES, TableSettings, WorkerTable
 from services.workers.messages import WorkerSnapshot
 
 
 # -- the replaced code -------------------------------------------------------------------
 def _reference_rows(running: tuple[RunningRequest, ...]) -> np.ndarray:
     n = len(running)
-    flat = np.fromiter(chain.from_iterable(map(_ROW_FIELDS, running)), np.float64, 3 * n)
+    flat = np.fromiter(chain.from_iterable(map(ROW_FIELDS, running)), np.float64, 3 * n)
     return flat.reshape(n, 3)
 
 
-def _reference_running_entry(t: WorkerTable, w: WorkerView) -> _RunningEntry:
-    entries = t._running_cache.setdefault(w.worker_id, [])
-    for k, entry in enumerate(entries):
-        if entry.running is w.running:
-            if k:
-                entries.insert(0, entries.pop(k))
-            return entry
+def _reference_running_entry(t: WorkerTable, w: WorkerView) -> RunningEntry:
+    # The cache, and which draws it keeps (``_derived``, test_derived_tables.py), is
+    # today's; its rows must be the set's, and a kept table the one of its draws.
+    entry = t._running_entry(w)
     rows = _reference_rows(w.running)
-    entry = _RunningEntry(w.running, rows, float(rows[:, 0].sum()))
-    entries.insert(0, entry)
-    del entries[2:]
+    assert np.array_equal(entry.rows, rows)
+    assert entry.held_total == float(rows[:, 0].sum())
+    if entry.table is not None:
+        assert entry.remaining is not None
+        assert np.array_equal(entry.table._terms, PeakTable(entry.remaining, rows[:, 0])._terms)
     return entry
 
 
@@ -146,7 +138,12 @@ def _reference_fill_row(t: WorkerTable, i: int, w: WorkerView) -> None:
 
 class _ReferenceTable(WorkerTable):
     def _draw_tables(self, workers: Sequence[WorkerView]) -> None:
-        pass  # the reference draws each row's table as it fills the row
+        # The reference draws each new set's table as it fills the row; the sets derived
+        # from a cached one (today's ``_running_entry``) are taken first, in row order,
+        # as ``_draw_tables`` does before drawing the others at once.
+        for w in workers:
+            if w.role is Role.DECODE or w.role in self.settings.colocate_roles:
+                _reference_running_entry(self, w)
 
     def _fill_row(self, i: int, w: WorkerView) -> None:
         _reference_fill_row(self, i, w)
@@ -296,15 +293,26 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
     for wid in roles:
         report(wid)
     placed: list[str] = []
-    extended: list[_RunningEntry] = []
+    extended: list[RunningEntry] = []
 
-    def counted(entries: list[_RunningEntry], running: tuple[RunningRequest, ...]) -> object:
-        entry = _extended(entries, running)
+    def counted(entries: list[RunningEntry], running: tuple[RunningRequest, ...]) -> object:
+        entry = extended_entry(entries, running)
         if entry is not None:
             extended.append(entry)
         return entry
 
-    monkeypatch.setattr("router.worker_table._extended", counted)
+    monkeypatch.setattr("router.worker_table.extended_entry", counted)
+    derive = WorkerTable._derived
+    derived: list[RunningEntry | None] = []
+
+    def counted_derived(
+        t: WorkerTable, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
+    ) -> RunningEntry | None:
+        entry = derive(t, entries, running)
+        derived.append(entry)
+        return entry
+
+    monkeypatch.setattr(WorkerTable, "_derived", counted_derived)
     for k in range(400):
         action = rng.random()
         if action < 0.3:
@@ -327,23 +335,24 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
         ref.sync(view)
         _assert_same(new, ref)
     assert len(extended) > 20  # reservations were added on top of known running sets
+    assert sum(e is not None for e in derived) > 20  # and kept their draws
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_an_extended_running_set_has_the_rows_of_a_new_one(seed: int) -> None:
     rng = random.Random(seed)
     base = _running(rng, Role.DECODE)
-    entries = [_new_entry(_running(rng, Role.DECODE)), _new_entry(base)]
+    entries = [new_entry(_running(rng, Role.DECODE)), new_entry(base)]
     added = tuple(RunningRequest(rng.randint(1, 5000), 0, 400) for _ in range(rng.randint(1, 3)))
     running = (*base, *added)
-    extended = _extended(entries, running)
+    extended = extended_entry(entries, running)
     assert extended is not None
-    fresh = _new_entry(running)
+    fresh = new_entry(running)
     assert extended.running is running
     assert np.array_equal(extended.rows, fresh.rows)
     assert extended.held_total == fresh.held_total
     # A set that does not start with a cached one is not an extension.
-    assert _extended(entries, (*added, *base)) is None or not base
+    assert extended_entry(entries, (*added, *base)) is None or not base
 
 
 def _reference_remaining(
