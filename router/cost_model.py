@@ -310,7 +310,7 @@ class CostModel:
         xw = xs * weights[:, None]
         gram = xw.T @ xs + np.diag(prior)
         rhs = xw.T @ y + prior * at_ref
-        self._set_theta(np.linalg.solve(gram, rhs) / ref)
+        self._set_theta(_solve_non_negative(gram, rhs) / ref)
 
     def _decay_weights(self, num_steps: int) -> np.ndarray:
         """``decay**k`` for the steps oldest first (k steps old), kept for a full window."""
@@ -369,6 +369,26 @@ class CostModel:
 
     def predict_decode_step(self, num_seqs: float, context_tokens: float) -> Prediction:
         return Prediction(self.decode_step_s(num_seqs, context_tokens), self.decode_error)
+
+
+def _solve_non_negative(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """``gram·θ = rhs`` with every term of ``θ`` at least 0: no part of a step's time is
+    negative. A term the unconstrained solve makes negative is held at 0 and the others
+    are solved again, until none is. Unconstrained, a fit over a narrow range of ``n``
+    (a mixed worker's chunks are all about its budget) extrapolates to nonsense: on the
+    phase-shift workload, all mixed, the prefill ``c`` came out at -3.5e-8 and a
+    2250-token prompt was priced at -0.08 s, so every long prompt went to that worker
+    (TTFT up to 15 s, attainment 0.18 in the prefill-heavy third)."""
+    free = np.ones(len(rhs), dtype=bool)
+    theta = np.zeros(len(rhs))
+    for _ in range(len(rhs)):
+        theta[:] = 0.0
+        theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
+        negative = theta < 0
+        if not negative.any():
+            break
+        free &= ~negative
+    return np.maximum(theta, 0.0)
 
 
 def prefill_knee_tokens(coeffs: QuadCoeffs, fixed_multiple: float = 1.0) -> float:

@@ -119,7 +119,8 @@ def test_knee_is_where_token_time_equals_fixed_time() -> None:
     assert n < 200
 
 
-SHIPPED = sorted((Path(__file__).parents[3] / "loadgen" / "profiles").glob("*.json"))
+PROFILES = Path(__file__).parents[3] / "loadgen" / "profiles"
+SHIPPED = sorted(PROFILES.glob("*.json"))
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -129,3 +130,47 @@ def test_shipped_profiles_parse_and_are_physical(path: Path) -> None:
     assert model.prefill_s(2048) > model.prefill_s(16) > 0
     assert model.decode_step_s(64, 64 * 1024) > model.decode_step_s(1, 1024) > 0
     assert profile.kv_bytes_per_token > 0 and profile.transfer.bandwidth_bytes_per_s > 0
+
+
+# A mixed worker's steps in the simulator (llama3-8b on H100, the phase-shift workload, all
+# workers mixed): (duration_s, prefill tokens, decode sequences, context), in order. Its
+# chunks are all about its 512-token budget, so the prefill curve's n² term is barely
+# determined by them.
+MIXED_CHUNK_STEPS = [
+    (0.01894, 512, 0, 0),
+    (0.01917, 512, 0, 0),
+    (0.0194, 512, 0, 0),
+    (0.01549, 368, 0, 1905),
+    (0.02053, 511, 1, 1906),
+    (0.02076, 511, 1, 1907),
+    (0.02099, 511, 1, 1908),
+    (0.02122, 511, 1, 1909),
+    (0.01518, 296, 1, 4251),
+    (0.02064, 510, 2, 4253),
+    (0.02087, 510, 2, 4255),
+    (0.02109, 510, 2, 4257),
+    (0.00732, 20, 2, 5810),
+    (0.00685, 0, 3, 3472),
+    (0.00671, 0, 2, 1564),
+    (0.0066, 0, 1, 1567),
+    (0.00781, 45, 1, 1614),
+    (0.00662, 0, 2, 46),
+    (0.00652, 0, 1, 62),
+    (0.00806, 57, 1, 132),
+    (0.00936, 104, 2, 239),
+    (0.00661, 0, 3, 406),
+    (0.0066, 0, 2, 526),
+    (0.00655, 0, 1, -18),
+]
+
+
+def test_a_fit_over_chunks_of_one_size_keeps_every_term_non_negative() -> None:
+    # Fitted freely, c came out at -1.0e-8 and a 2250-token prompt was priced at 0.032 s,
+    # less than two of its 512-token chunks; the router sent every long prompt there.
+    model = CostModel(load_profile(PROFILES / "llama3-8b-h100.json"))
+    for k, (duration_s, n, num_seqs, context) in enumerate(MIXED_CHUNK_STEPS):
+        model.observe(StepSample(duration_s, n, num_seqs, context, end_s=float(k)))
+    model.refit()
+    for coeffs in (model.prefill_coeffs, model.decode_coeffs):
+        assert min(coeffs.a, coeffs.b, coeffs.c) >= 0.0
+    assert model.prefill_s(2250) >= 4 * model.prefill_s(512)
