@@ -197,14 +197,19 @@ class _RollingMean:
         return self._total / len(self._values) if self._values else 0.0
 
 
-# Features of one step: [1{n>0}, n, n², 1{B>0}, B, ΣL]; coefficients
+# Features of one step: [1{n>0}, n, n², 1{B>0, n=0}, B, ΣL]; coefficients
 # [prefill a, b, c, decode a, b, c]. Pure prefill steps and pure decode steps decouple
-# into the two curves; a mixed step is modelled as the sum of both.
+# into the two curves. A mixed step is one pass over the weights: it pays one fixed
+# cost, prefill's, plus both curves' token terms. (Modelled as the sum of both curves,
+# a mixed worker's fit, mostly mixed steps that pay ~6.5 ms once, split that cost
+# between the two a's: decode a came out at 1.7 ms, its plain decode steps then ran
+# "3.5x slower than modelled" and admission refused every prompt on the grounds of
+# TPOT; phase_shift at 256 GPUs all mixed, 1242 of 6000 refused.)
 _NUM_FEATURES = 6
 
 
 def _features(n: float, num_seqs: float, context: float) -> list[float]:
-    return [float(n > 0), n, n * n, float(num_seqs > 0), num_seqs, context]
+    return [float(n > 0), n, n * n, float(num_seqs > 0 and n <= 0), num_seqs, context]
 
 
 @dataclass
@@ -350,6 +355,12 @@ class CostModel:
     def prefill_s(self, num_tokens: float) -> float:
         a, b, c = self._theta[:3]
         return float(a + num_tokens * (b + num_tokens * c)) if num_tokens > 0 else 0.0
+
+    def step_s(self, num_prefill_tokens: float, num_seqs: float, context_tokens: float) -> float:
+        """One step that prefills ``num_prefill_tokens`` and decodes ``num_seqs``
+        sequences holding ``context_tokens`` (either may be 0): a mixed step pays one
+        fixed cost."""
+        return float(np.dot(self._theta, _features(num_prefill_tokens, num_seqs, context_tokens)))
 
     def decode_step_s(self, num_seqs: float, context_tokens: float) -> float:
         a, b, c = self._theta[3:]
