@@ -197,14 +197,19 @@ class _RollingMean:
         return self._total / len(self._values) if self._values else 0.0
 
 
-# Features of one step: [1{n>0}, n, n², 1{B>0}, B, ΣL]; coefficients
+# Features of one step: [1{n>0}, n, n², 1{B>0, n=0}, B, ΣL]; coefficients
 # [prefill a, b, c, decode a, b, c]. Pure prefill steps and pure decode steps decouple
-# into the two curves; a mixed step is modelled as the sum of both.
+# into the two curves. A mixed step is one pass over the weights: it pays one fixed
+# cost, prefill's, plus both curves' token terms. (Modelled as the sum of both curves,
+# a mixed worker's fit, mostly mixed steps that pay ~6.5 ms once, split that cost
+# between the two a's: decode a came out at 1.7 ms, its plain decode steps then ran
+# "3.5x slower than modelled" and admission refused every prompt on the grounds of
+# TPOT; phase_shift at 256 GPUs all mixed, 1242 of 6000 refused.)
 _NUM_FEATURES = 6
 
 
 def _features(n: float, num_seqs: float, context: float) -> list[float]:
-    return [float(n > 0), n, n * n, float(num_seqs > 0), num_seqs, context]
+    return [float(n > 0), n, n * n, float(num_seqs > 0 and n <= 0), num_seqs, context]
 
 
 @dataclass
@@ -310,7 +315,7 @@ class CostModel:
         xw = xs * weights[:, None]
         gram = xw.T @ xs + np.diag(prior)
         rhs = xw.T @ y + prior * at_ref
-        self._set_theta(np.linalg.solve(gram, rhs) / ref)
+        self._set_theta(_solve_non_negative(gram, rhs) / ref)
 
     def _decay_weights(self, num_steps: int) -> np.ndarray:
         """``decay**k`` for the steps oldest first (k steps old), kept for a full window."""
@@ -351,6 +356,12 @@ class CostModel:
         a, b, c = self._theta[:3]
         return float(a + num_tokens * (b + num_tokens * c)) if num_tokens > 0 else 0.0
 
+    def step_s(self, num_prefill_tokens: float, num_seqs: float, context_tokens: float) -> float:
+        """One step that prefills ``num_prefill_tokens`` and decodes ``num_seqs``
+        sequences holding ``context_tokens`` (either may be 0): a mixed step pays one
+        fixed cost."""
+        return float(np.dot(self._theta, _features(num_prefill_tokens, num_seqs, context_tokens)))
+
     def decode_step_s(self, num_seqs: float, context_tokens: float) -> float:
         a, b, c = self._theta[3:]
         return float(a + b * num_seqs + c * context_tokens) if num_seqs > 0 else 0.0
@@ -369,6 +380,26 @@ class CostModel:
 
     def predict_decode_step(self, num_seqs: float, context_tokens: float) -> Prediction:
         return Prediction(self.decode_step_s(num_seqs, context_tokens), self.decode_error)
+
+
+def _solve_non_negative(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """``gram·θ = rhs`` with every term of ``θ`` at least 0: no part of a step's time is
+    negative. A term the unconstrained solve makes negative is held at 0 and the others
+    are solved again, until none is. Unconstrained, a fit over a narrow range of ``n``
+    (a mixed worker's chunks are all about its budget) extrapolates to nonsense: on the
+    phase-shift workload, all mixed, the prefill ``c`` came out at -3.5e-8 and a
+    2250-token prompt was priced at -0.08 s, so every long prompt went to that worker
+    (TTFT up to 15 s, attainment 0.18 in the prefill-heavy third)."""
+    free = np.ones(len(rhs), dtype=bool)
+    theta = np.zeros(len(rhs))
+    for _ in range(len(rhs)):
+        theta[:] = 0.0
+        theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
+        negative = theta < 0
+        if not negative.any():
+            break
+        free &= ~negative
+    return np.maximum(theta, 0.0)
 
 
 def prefill_knee_tokens(coeffs: QuadCoeffs, fixed_multiple: float = 1.0) -> float:

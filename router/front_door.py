@@ -386,10 +386,8 @@ class Router:
             return 0.0
         model = cost_model(worker_id)
         ratios = []
-        for s in steps:  # a mixed step is modelled as the sum of both parts
-            modelled = model.prefill_s(s.num_prefill_tokens) if s.num_prefill_tokens else 0.0
-            if s.num_decode_seqs:
-                modelled += model.decode_step_s(s.num_decode_seqs, s.total_context_tokens)
+        for s in steps:
+            modelled = model.step_s(s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens)
             if modelled > 0:
                 ratios.append(s.duration_s / modelled)
         return statistics.median(ratios) if ratios else 0.0
