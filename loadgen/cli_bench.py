@@ -23,6 +23,7 @@ from loadgen.flags import add_workload_arguments, slo_from_args, sweep_from_args
 from loadgen.report import compare_table, format_table, load_summary, write_run, write_sweep
 from loadgen.scenario import Tokenizer
 from loadgen.workload import WorkloadError
+from services.heap import freeze_startup_heap
 
 __all__ = ["add_arguments", "run"]
 
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     # The only environment read: CI runs and pipes get no progress bar.
     interactive = sys.stdout.isatty() and not os.environ.get("CI")
+    freeze_startup_heap()  # a full collection mid-run would delay every answer it times
     summaries = []
     for rate, concurrency in sweep:
         label = rate.label if rate else f"concurrency {concurrency}"

@@ -28,7 +28,6 @@ from loadgen.images import image_parts
 from loadgen.metrics import GoodputSLO, RequestRecord, compute_summary
 from loadgen.scenario import Tokenizer, WorkloadConfig, build_requests, synthetic_prompt
 from loadgen.workload import RequestSpec, WorkloadError
-from services.heap import freeze_startup_heap
 
 __all__ = ["BenchConfig", "BenchResult", "discover_model", "run_bench", "send_request"]
 
@@ -207,7 +206,6 @@ async def run_bench_async(config: BenchConfig, progress: Progress | None = None)
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         model = config.model or await discover_model(client, base)
-        freeze_startup_heap()  # a full collection mid-run would delay every answer it times
         run_start = time.perf_counter()
 
         async def one(spec: RequestSpec) -> None:
