@@ -354,7 +354,7 @@ class Router:
         """How long the oldest request placed to prefill on ``worker_id`` has waited
         without its first event (0 with none): the worker's queue as it is now, however
         slowly it runs, where the view shows it as last reported and as modelled."""
-        for r in self._placed_to_prefill(worker_id):  # oldest first
+        for r in self._placed(worker_id, prefill=True):  # oldest first
             if r.placed_s is not None:
                 return max(0.0, now_s - r.placed_s)
         return 0.0
@@ -403,32 +403,26 @@ class Router:
         if w is None:
             return []
         if prefill:
-            waiting = next(self._placed_to_prefill(worker_id), None)
+            waiting = next(self._placed(worker_id, prefill=True), None)
             busy = bool(w.report.waiting_prompt_lens) or waiting is not None
         else:
             busy = bool(w.report.running) or (
-                placed and next(self._placed_to_decode(worker_id), None) is not None
+                placed and next(self._placed(worker_id, prefill=False), None) is not None
             )
         if not busy:
             return []
         steps = [s for s in w.report.recent_steps if (s.num_prefill_tokens > 0) == prefill]
         return steps[-_RECENT_STEPS:]
 
-    def _placed_to_decode(self, worker_id: str) -> Iterator[_Reservation]:
-        """Reservations that decode on ``worker_id``, oldest first."""
+    def _placed(self, worker_id: str, *, prefill: bool) -> Iterator[_Reservation]:
+        """Reservations that prefill (``prefill``) or decode on ``worker_id``, oldest
+        first (a colocated plan decodes on its prefill worker)."""
         reservations = self._reservations
         for rid in self._by_worker.get(worker_id, {}):
-            r = reservations[rid]
-            if (r.plan.decode_worker or r.plan.prefill_worker) == worker_id:
-                yield r
-
-    def _placed_to_prefill(self, worker_id: str) -> Iterator[_Reservation]:
-        """Reservations that prefill on ``worker_id``, oldest first."""
-        reservations = self._reservations
-        for rid in self._by_worker.get(worker_id, {}):
-            r = reservations[rid]
-            if r.plan.prefill_worker == worker_id:
-                yield r
+            plan = reservations[rid].plan
+            there = plan.prefill_worker if prefill else plan.decode_worker or plan.prefill_worker
+            if there == worker_id:
+                yield reservations[rid]
 
     def block_size(self) -> int | None:
         """The KV block size prompts are hashed by for prefix matching (the smallest)."""
