@@ -4,8 +4,8 @@
 
 For chasing a serving regression by A/B (``git worktree add /tmp/old <commit>``, then
 this): each round serves every tree in turn with ``deploy/configs/local.yaml`` (the
-tiny model, 1 prefill + 1 decode worker over NIXL, as the live fidelity test in
-``tests/e2e/test_loadgen_live.py``), loads it with that test's workload through
+tiny model, 1 prefill + 1 decode worker over NIXL, as
+``benchmarks/fidelity.py``), loads it with that test's workload through
 ``baton bench`` of *this* tree (open loop, 1 request/s, 40 requests, 32-512 prompt and
 8-64 output tokens, seed 1) and prints one JSON object per run: the tree, its commit,
 p50/p90 TPOT and TTFT, and the machine's 1-minute load average before and after.

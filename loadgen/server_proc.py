@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 from kvtransfer.net import free_port
 
-__all__ = ["ROOT", "NotServing", "child_env", "free_port", "stop", "wait_until_serving"]
+__all__ = [
+    "ROOT",
+    "NotServing",
+    "baton_serving",
+    "child_env",
+    "free_port",
+    "stop",
+    "wait_until_serving",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,3 +82,19 @@ def stop(proc: subprocess.Popen[bytes] | subprocess.Popen[str], grace_s: float =
             proc.kill()
             proc.wait()
     return int(proc.returncode)
+
+
+@contextmanager
+def baton_serving(args: Sequence[str], timeout_s: float = 180.0) -> Iterator[str]:
+    """``baton serve ARGS`` on a free 127.0.0.1 port, its own Ray, until the block ends;
+    yields the base URL once ``/v1/models`` answers (its workers are up)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "serve", *args, "--port", str(port)]
+    # Its output goes to stderr: a benchmark's stdout is its JSON lines.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=sys.stderr)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(url, proc, timeout_s, path="/v1/models", poll_s=1.0)
+        yield url
+    finally:
+        stop(proc, grace_s=60)

@@ -100,7 +100,11 @@ class FakeEngine:
         max_model_len: int = 512,
         max_num_seqs: int = 64,
         name: str = "fake",
+        step_s: float = 0.0,
     ) -> None:
+        """``step_s``: wall time each ``step`` takes, standing in for a model's forward pass
+        (0: steps take microseconds, so requests arriving a few ms apart never share one)."""
+        self._step_s = step_s
         self._info = FakeModelInfo(name=name, max_model_len=max_model_len)
         self._layout = KVLayout(
             num_layers=1, block_size=block_size, num_kv_heads=1, head_dim=1, dtype="float32"
@@ -136,6 +140,8 @@ class FakeEngine:
         self._waiting.append(self._new_seq(request))
 
     def step(self) -> list[RequestOutput]:
+        if self._step_s > 0:
+            time.sleep(self._step_s)
         self._admit()
         outputs: list[RequestOutput] = []
         num_prefill = 0

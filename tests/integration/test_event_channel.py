@@ -4,6 +4,7 @@ over the transport that serves (the socket channel; the Ray channel as its fallb
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 
@@ -27,8 +28,14 @@ def job(request_id: str, max_tokens: int = NUM_TOKENS) -> Generate:
     return Generate(EngineRequest(request_id, tuple(TOK.encode(request_id)), sampling))
 
 
+# A step of 5 ms, as a small model's decode step takes: with steps of microseconds the eight
+# requests, arriving a few ms apart on a loaded machine, finished one by one without ever
+# sharing a step (128 messages in one CI run).
+ENGINE = functools.partial(FakeEngine, step_s=0.005)
+
+
 def launch(name: str, transport: Transport = "socket") -> RayWorkerClient:
-    spec = WorkerSpec(name, Role.MIXED, FakeEngine, telemetry_interval_s=0.05)
+    spec = WorkerSpec(name, Role.MIXED, ENGINE, telemetry_interval_s=0.05)
     client = launch_ray_worker(spec, num_cpus=0, num_gpus=0)
     return RayWorkerClient(client.worker_id, client.actor, transport)
 
