@@ -200,10 +200,7 @@ class Controller:
         while True:
             await asyncio.sleep(self._config.ping_interval_s)
             ready = [e for e in self._entries.values() if e.ready.is_set()]
-            results = await asyncio.gather(
-                *(asyncio.wait_for(e.client.ping(), self._config.ping_timeout_s) for e in ready),
-                return_exceptions=True,
-            )
+            results = await asyncio.gather(*map(self._ping, ready), return_exceptions=True)
             for entry, result in zip(ready, results, strict=True):
                 if not isinstance(result, BaseException):
                     entry.missed_pings = 0
@@ -212,6 +209,11 @@ class Controller:
                 if entry.missed_pings >= self._config.ping_misses_to_down:
                     reason = f"{entry.missed_pings} pings failed, last: {type(result).__name__}"
                     self._down(entry.spec.worker_id, reason)
+
+    async def _ping(self, entry: _Entry) -> None:
+        # The ping is made only once this runs: a round cancelled before it starts (the
+        # controller stopping) leaves no coroutine behind that was never awaited.
+        await asyncio.wait_for(entry.client.ping(), self._config.ping_timeout_s)
 
     def _down(self, worker_id: str, reason: str) -> None:
         entry = self._entries.pop(worker_id, None)

@@ -30,8 +30,6 @@ from services.workers.messages import (
     WorkerSnapshot,
 )
 
-pytestmark = pytest.mark.asyncio
-
 LAYOUT = KVLayout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=1, dtype="float32")
 HANDLE = BlockHandle("local", "p", "kv", "t1", (3,), LAYOUT, expires_at_s=1e9)
 PROMPT = tuple(range(65, 75))
