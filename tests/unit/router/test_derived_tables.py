@@ -12,7 +12,6 @@ views a ``Router`` produces; the last test compares the estimate's distribution.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -24,8 +23,7 @@ from router.length import SplitMode
 from router.running_sets import RunningEntry, new_entry, remaining_tokens_of_one
 from router.types import Plan, RequestProfile, Role, RunningRequest, WorkerView
 from router.worker_table import TableSettings, WorkerTable
-from services.workers.messages import WorkerSnapshot
-from tests.unit.router.test_table_upkeep import _snapshot
+from tests.unit.router.test_table_upkeep import _snapshot, random_traffic
 
 
 def _settings(num_draws: int = 5) -> TableSettings:
@@ -191,37 +189,13 @@ def test_every_column_is_its_own_requests_draw_on_random_traffic(seed: int) -> N
     # Distinct lengths: a draw that is not capped is then a value no other draw has.
     history = np.sort(np.array([rng.uniform(1, 600) for _ in range(50)]))
     t.sorted_history = history
-    roles = {f"w{i}": (Role.PREFILL, Role.DECODE, Role.MIXED)[i % 3] for i in range(9)}
-    last: dict[str, WorkerSnapshot] = {}
-
-    def report(wid: str) -> None:
-        seq = last[wid].seq + 1 if wid in last else 1
-        last[wid] = _snapshot(rng, wid, roles[wid], seq, last.get(wid))
-        router.update(last[wid])
-
-    for wid in roles:
-        report(wid)
-    placed: list[str] = []
     known: dict[bytes, tuple[tuple[float, ...], np.ndarray]] = {}
     checked: dict[int, PeakTable] = {}  # the tables seen (kept alive: ids stay unique)
     kept = 0
-    for k in range(400):
-        action = rng.random()
-        if action < 0.2:
-            report(rng.choice(list(roles)))
-        elif action < 0.45 and placed:
-            rid = placed.pop(rng.randrange(len(placed)))
-            router.release(rid, rng.choice((None, *roles)))
-        elif action < 0.5:
-            history = np.sort(np.append(history[1:], rng.uniform(1, 600)))
+    for finished in random_traffic(rng, router, 400, 0.2, lambda: rng.uniform(1, 600)):
+        if finished is not None:
+            history = np.sort(np.append(history[1:], finished))
             t.sorted_history = history
-        else:
-            wids = [w for w, r in roles.items() if r is not Role.PREFILL]
-            prompt = rng.randint(1, 6000)
-            profile = RequestProfile(f"r{k}", prompt, prompt, rng.randint(1, 400))
-            plan = Plan(rng.choice(list(roles)), rng.choice((None, *wids)))
-            router.reserve(replace(profile, arrival_s=k * 0.01), plan, k * 0.01)
-            placed.append(profile.request_id)
         counter.count = 0
         t.sync(router.view())
         kept += _check_draws(t, known, counter.count, checked)

@@ -12,7 +12,7 @@ decides the same.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from itertools import chain
 
@@ -241,6 +241,49 @@ def _snapshot(
     )
 
 
+def random_traffic(
+    rng: random.Random,
+    router: Router,
+    num_steps: int,
+    report_share: float,
+    new_length: Callable[[], float],
+) -> Iterator[float | None]:
+    """Nine workers (prefill, decode, mixed in turn) report to ``router``, then for
+    ``num_steps`` steps one random action each: a worker reports (``report_share`` of
+    them), a placed request is released (on all its workers or one), an output length
+    finishes (``new_length()``), or a request is reserved on random workers. Yields after
+    each step: the finished length, or None."""
+    roles = {f"w{i}": (Role.PREFILL, Role.DECODE, Role.MIXED)[i % 3] for i in range(9)}
+    last: dict[str, WorkerSnapshot] = {}
+
+    def report(wid: str) -> None:
+        seq = last[wid].seq + 1 if wid in last else 1
+        last[wid] = _snapshot(rng, wid, roles[wid], seq, last.get(wid))
+        router.update(last[wid])
+
+    for wid in roles:
+        report(wid)
+    placed: list[str] = []
+    for k in range(num_steps):
+        action = rng.random()
+        finished = None
+        if action < report_share:
+            report(rng.choice(list(roles)))
+        elif action < 0.45 and placed:
+            rid = placed.pop(rng.randrange(len(placed)))
+            router.release(rid, rng.choice((None, *roles)))
+        elif action < 0.5:
+            finished = new_length()
+        else:
+            wids = [w for w, r in roles.items() if r is not Role.PREFILL]
+            prompt = rng.randint(1, 6000)
+            profile = RequestProfile(f"r{k}", prompt, prompt, rng.randint(1, 400))
+            plan = Plan(rng.choice(list(roles)), rng.choice((None, *wids)))
+            router.reserve(replace(profile, arrival_s=k * 0.01), plan, k * 0.01)
+            placed.append(profile.request_id)
+        yield finished
+
+
 def _assert_same(new: WorkerTable, ref: WorkerTable) -> None:
     for name in _COLUMNS:
         assert np.array_equal(getattr(new, name), getattr(ref, name)), name
@@ -282,17 +325,6 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
     )
     history = np.sort(np.array([rng.randint(1, 600) for _ in range(50)], dtype=np.float64))
     new.sorted_history = ref.sorted_history = history
-    roles = {f"w{i}": (Role.PREFILL, Role.DECODE, Role.MIXED)[i % 3] for i in range(9)}
-    last: dict[str, WorkerSnapshot] = {}
-
-    def report(wid: str) -> None:
-        seq = last[wid].seq + 1 if wid in last else 1
-        last[wid] = _snapshot(rng, wid, roles[wid], seq, last.get(wid))
-        router.update(last[wid])
-
-    for wid in roles:
-        report(wid)
-    placed: list[str] = []
     extended: list[RunningEntry] = []
 
     def counted(entries: list[RunningEntry], running: tuple[RunningRequest, ...]) -> object:
@@ -313,23 +345,10 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
         return entry
 
     monkeypatch.setattr(WorkerTable, "_derived", counted_derived)
-    for k in range(400):
-        action = rng.random()
-        if action < 0.3:
-            report(rng.choice(list(roles)))
-        elif action < 0.45 and placed:
-            rid = placed.pop(rng.randrange(len(placed)))
-            router.release(rid, rng.choice((None, *roles)))
-        elif action < 0.5:
-            history = np.sort(np.append(history[1:], rng.randint(1, 600)).astype(np.float64))
+    for finished in random_traffic(rng, router, 400, 0.3, lambda: rng.randint(1, 600)):
+        if finished is not None:
+            history = np.sort(np.append(history[1:], finished).astype(np.float64))
             new.sorted_history = ref.sorted_history = history
-        else:
-            wids = [w for w, r in roles.items() if r is not Role.PREFILL]
-            prompt = rng.randint(1, 6000)
-            profile = RequestProfile(f"r{k}", prompt, prompt, rng.randint(1, 400))
-            plan = Plan(rng.choice(list(roles)), rng.choice((None, *wids)))
-            router.reserve(replace(profile, arrival_s=k * 0.01), plan, k * 0.01)
-            placed.append(profile.request_id)
         view = router.view()
         new.sync(view)
         ref.sync(view)
