@@ -22,7 +22,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +37,7 @@ from loadgen.client import BenchConfig  # noqa: E402
 from loadgen.metrics import GoodputSLO  # noqa: E402
 from loadgen.overload import OverloadConfig, run_overload  # noqa: E402
 from loadgen.scenario import WorkloadConfig  # noqa: E402
-from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving  # noqa: E402
+from loadgen.server_proc import baton_serving  # noqa: E402
 from services.heap import freeze_startup_heap  # noqa: E402
 
 SLO = GoodputSLO(ttft_ms=2000, tpot_ms=200)
@@ -76,13 +75,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
         model = str(save_small_llama(work / "small-llama"))
     config_path = work / "overload.yaml"
     config_path.write_text(yaml.safe_dump(serve_config(args.policy, args.rebalance, args.max_hold)))
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--config", str(config_path)]
-    cmd += ["--model", model, "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_serving(url, proc, 300, path="/v1/models", poll_s=1.0)
+    serve_args = ["--config", str(config_path), "--model", model, "--log-level", "warning"]
+    with baton_serving(serve_args, timeout_s=300) as url:
         tokenizer = None
         if model != "tiny":
             from services.engine.loader import load_tokenizer
@@ -99,8 +93,6 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
         )
         freeze_startup_heap()  # the client's full collections would delay the answers it times
         result = run_overload(config, report=lambda row: print(json.dumps(row), flush=True))
-    finally:
-        stop(proc, grace_s=60)
     return result
 
 
