@@ -27,18 +27,24 @@ class LoopKilled(BaseException):
 
 
 class KillSwitch:
-    """Armed by the test; the next engine step on a decode worker then kills its loop."""
+    """Armed by the test; the ``after_steps``-th engine step on a decode worker from then
+    on kills its loop: counted in steps, not seconds, so the streams are mid-way however
+    fast the machine decodes (armed 0.5 s after they started, they had all finished once
+    in CI, and the fault never fired)."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_steps: int) -> None:
         self.armed = threading.Event()
         self.fired_s: float | None = None
+        self._after_steps = after_steps
+        self._num_steps = 0
         self._lock = threading.Lock()
 
     def maybe_fire(self) -> None:
         if not self.armed.is_set():
             return
         with self._lock:
-            if self.fired_s is not None:
+            self._num_steps += 1
+            if self.fired_s is not None or self._num_steps < self._after_steps:
                 return
             self.fired_s = time.monotonic()
         raise LoopKilled("injected: the engine loop dies")
@@ -110,7 +116,7 @@ def _stream_text(base_url: str, prompt: str) -> str:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_engine_loop_is_replaced_and_its_requests_finish_unchanged() -> None:
-    switch = KillSwitch()
+    switch = KillSwitch(after_steps=20)  # of the 2 decode workers' ~2 x 200 steps
     built: list[int] = []
     config = tiny_config(
         **{"kvtransfer.backend": "local", "workers.prefill": 1, "workers.decode": 2}
@@ -120,9 +126,8 @@ def test_a_dead_engine_loop_is_replaced_and_its_requests_finish_unchanged() -> N
         base = server.base_url
         with ThreadPoolExecutor(8) as pool:
             undisturbed = list(pool.map(lambda p: _stream_text(base, p), PROMPTS))
-            futures = [pool.submit(_stream_text, base, p) for p in PROMPTS]
-            time.sleep(0.5)  # the streams are decoding
             switch.armed.set()
+            futures = [pool.submit(_stream_text, base, p) for p in PROMPTS]
             down_seen_s = None
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
