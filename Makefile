@@ -32,7 +32,7 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy services router kvtransfer loadgen
 
-# The CPU C++ kernels (decode attention, RMSNorm, rotary), compiled once per machine into ~/.cache/baton
+# The CPU C++ kernels (decode and prefill attention, RMSNorm, rotary), compiled once per machine into ~/.cache/baton
 # (services/engine/cpu_kernels.py); engines build it themselves too, this logs it first.
 kernels: venv
 	$(PY) -m services.engine.cpu_kernels

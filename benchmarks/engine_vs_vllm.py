@@ -14,8 +14,8 @@ Each wave is timed whole (prefill plus decode) and with one output token (prefil
 only), alternately, and each kind's best wave is kept. Each engine runs in a child
 process of its own, one after the other (in one process vLLM's CPU worker takes over
 ``torch.set_num_threads``); vLLM in-process there (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-with torch.compile on, as its server does. ``baton-torch`` is Baton with its decode
-attention on the pure-torch path (``engine.cpu_kernels: false``), the same-run
+with torch.compile on, as its server does. ``baton-torch`` is Baton with its attention,
+RMSNorm and rotary on the pure-torch path (``engine.cpu_kernels: false``), the same-run
 baseline for the C++ kernel. Prints one JSON object per line, the last with the
 ratios (CPU seconds per wave, e.g. Baton over vLLM: < 1 is faster).
 """
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--sides",
         default=",".join(SIDES),
-        help="engines to run, in order (baton-torch: Baton with the torch decode attention)",
+        help="engines to run, in order (baton-torch: Baton with torch ops for its C++ kernels)",
     )
     args = p.parse_args(argv)
 

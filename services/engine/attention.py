@@ -19,6 +19,10 @@ per layer, so each layer's gather is one contiguous ``index_select`` and each
 write one ``index_copy_``; selecting the rows in (k/v, head, sequence, block)
 order lays every sequence's keys out contiguously, with no second copy. At
 decode on a CPU most of a step is per-op overhead, so the code counts ops.
+
+With the C++ kernels (``cpu_kernels.py``, CPU), decode and prefill groups skip all of
+this: the kernels read K/V through the block tables, and the prefill kernel writes each
+query's row of the output itself.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.batch import ForwardBatch
-from services.engine.cpu_kernels import CpuKernels
+from services.engine.cpu_kernels import PREFILL_KERNEL_HEAD_DIMS, CpuKernels
 
 __all__ = ["AttentionMetadata", "PoolView", "SeqGroup", "paged_attention", "write_kv"]
 
@@ -79,9 +83,13 @@ class SeqGroup:
     max_query_len: int
     max_blocks: int
     gather_rows: torch.Tensor  # [2 * kv_heads * S * max_blocks] block rows of layer 0
-    # For the decode kernel (else None): [S, max_blocks] block ids, [S] context lengths.
+    # For the C++ kernels (else None): [S, max_blocks] block ids, [S] context lengths;
+    # for the prefill kernel also [S] each sequence's first token in the step and its
+    # number of new tokens.
     block_table: torch.Tensor | None
     context_lens: torch.Tensor | None
+    query_starts: torch.Tensor | None
+    query_lens: torch.Tensor | None
     # Every sequence is a fresh prompt (no cached context): attend to this step's own K/V
     # with a plain causal mask, no gather. ``uniform``: all of equal length, no padding.
     fresh: bool
@@ -169,6 +177,18 @@ def _build_group(
         table = batch.block_tables[i][:max_blocks]
         block_ids[j, : len(table)] = table
     covers_all = num_seqs == len(batch.query_lens)
+    kernel_decode = use_kernel and max_query_len == 1
+    if use_kernel and max_query_len > 1 and pool.head_dim in PREFILL_KERNEL_HEAD_DIMS:
+        # The prefill kernel reads the block tables and writes each query's own row.
+        return SeqGroup(
+            token_index=None, row=None, col=None, num_seqs=num_seqs,
+            max_query_len=max_query_len, max_blocks=max_blocks,
+            gather_rows=positions.new_empty(0), block_table=_to_device(block_ids, device),
+            context_lens=_to_device(context_lens, device),
+            query_starts=_to_device(starts[seqs], device),
+            query_lens=_to_device(group_query_lens, device),
+            fresh=False, uniform=False, mask=positions.new_empty(0),
+        )  # fmt: skip
     fresh = (
         max_query_len > 1
         and sliding_window is None
@@ -191,7 +211,6 @@ def _build_group(
         # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
         query_pos = np.zeros((num_seqs, max_query_len), dtype=np.int64)
         query_pos[row_np, col_np] = first_pos[row_np] + col_np
-    kernel_decode = use_kernel and max_query_len == 1
     if fresh or kernel_decode:
         mask = positions.new_empty(0)  # unused: causal attention and the kernel need none
     else:
@@ -210,6 +229,8 @@ def _build_group(
         else _gather_rows(block_ids, pool, device),
         block_table=_to_device(block_ids, device) if kernel_decode else None,
         context_lens=_to_device(context_lens, device) if kernel_decode else None,
+        query_starts=None,
+        query_lens=None,
         fresh=fresh,
         uniform=bool((group_query_lens == max_query_len).all()),
         mask=mask,
@@ -286,6 +307,16 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     out: torch.Tensor | None = None
     for g in meta.groups:
+        if g.query_starts is not None:
+            assert meta.cpu_kernels is not None and g.block_table is not None
+            assert g.query_lens is not None and g.context_lens is not None
+            if out is None:
+                out = q.new_empty(num_tokens, num_heads * head_dim)
+            meta.cpu_kernels.paged_prefill_(
+                q, pool.kv, layer, g.block_table, g.query_starts, g.query_lens,
+                g.context_lens, scale, meta.sliding_window, out,
+            )  # fmt: skip
+            continue
         if g.max_query_len == 1:
             o_tokens = _decode(q, pool, layer, meta, g, scale)
         elif g.fresh:

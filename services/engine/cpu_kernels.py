@@ -7,6 +7,14 @@
   kernel reads K and V straight from the pool through the block table, per (sequence,
   kv head) in parallel (``at::parallel_for``), every query head of a grouped-query
   group against each key row while it is in cache, with an exact softmax.
+* ``paged_prefill_``: attention of many query tokens per sequence (whole prompts and
+  chunks after a cached prefix), also straight from the pool, flash-attention style:
+  per (sequence, kv head, up to 384 query rows), key tiles of 32 tokens copied into
+  float32 scratch, scores, an online softmax (an inline polynomial exp) and the weighted
+  values in registers, rows skipped where the causal or sliding-window mask hides the
+  whole tile. SDPA on padded prompts took 10.6 ms a layer for 16 prompts of 128 tokens
+  (12 heads, 4 KV heads, head_dim 64, one AVX-512 thread); this takes 4.1 ms (vLLM's
+  CPU attention: 4.4 ms). Head dims 16, 32, 64 and 128; others keep the torch path.
 * ``rms_norm``: one pass per row where ``model.rms_norm`` runs six ops.
 * ``rotary_write_``: RoPE on q and k in place and this step's K/V written into the
   pool at their slots, where the torch path runs a roll, two products, a stack and
@@ -36,6 +44,7 @@ import torch
 
 __all__ = [
     "DEFAULT_BUILD_ROOT",
+    "PREFILL_KERNEL_HEAD_DIMS",
     "TORCH_KERNELS",
     "CpuKernels",
     "build_cpu_kernels",
@@ -49,6 +58,7 @@ _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
 # Shared by every process of a user (tests, CI, workers): compiled once per machine kind.
 DEFAULT_BUILD_ROOT = Path.home() / ".cache" / "baton" / "torch_extensions"
 TORCH_KERNELS = "torch"  # the name of the fallback in logs and stats
+PREFILL_KERNEL_HEAD_DIMS = frozenset({16, 32, 64, 128})  # paged_prefill_'s; others: torch
 _STALE_LOCK_S = 300.0  # a build takes ~10 s
 
 
@@ -73,6 +83,30 @@ class CpuKernels:
         (the last ``sliding_window`` of them, if set)."""
         op = torch.ops.baton.paged_decode
         return op(q, kv, layer, block_tables, context_lens, scale, sliding_window or 0)
+
+    def paged_prefill_(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        block_tables: torch.Tensor,
+        query_starts: torch.Tensor,
+        query_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Causal attention of many queries per sequence, into ``out`` [T, heads * d]:
+        sequence ``s``'s queries are q [T, heads, d] rows ``query_starts[s]`` onwards, the
+        last ``query_lens[s]`` of its ``context_lens[s]`` positions (their K/V already in
+        the pool); each sees the keys at or before its position (the last
+        ``sliding_window`` of them, if set). Tables and lengths int64, one row per sequence."""
+        op = torch.ops.baton.paged_prefill_
+        op(
+            q, kv, layer, block_tables, query_starts, query_lens, context_lens, scale,
+            sliding_window or 0, out,
+        )  # fmt: skip
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``model.rms_norm`` for a contiguous ``x``."""
@@ -156,7 +190,10 @@ def select_cpu_kernels(
     except Exception as e:  # no compiler, a failed build or load: the torch path still works
         log.warning("engine kernels: %s (the C++ kernels did not build: %s)", TORCH_KERNELS, e)
         return None
-    log.info("engine kernels: %s (decode attention, RMSNorm, rotary + KV write)", kernels.name)
+    log.info(
+        "engine kernels: %s (decode and prefill attention, RMSNorm, rotary + KV write)",
+        kernels.name,
+    )
     return kernels
 
 

@@ -204,7 +204,7 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args)
-        # The C++ kernels (cpu_kernels.py: decode attention, RMSNorm, rotary + KV write),
+        # The C++ kernels (cpu_kernels.py: attention, RMSNorm, rotary + KV write),
         # chosen by the engine at start; None: the torch ops.
         self.cpu_kernels: CpuKernels | None = None
         self.tie_weights()

@@ -1,6 +1,6 @@
 """The C++ kernels (cpu_kernels.py) equal the torch ops they replace.
 
-Decode attention: both paths run ``paged_attention`` on the same pool and batch; only
+Decode and prefill attention: both paths run ``paged_attention`` on the same pool and batch; only
 ``cpu_kernels`` differs. Block tables are drawn from a shuffled pool (never contiguous
 ranges), lengths are ragged and cross block edges, and heads are grouped (GQA) or not.
 RMSNorm and rotary + KV write are compared with ``rms_norm`` and ``apply_rotary`` +
@@ -113,6 +113,64 @@ def test_kernel_equals_the_torch_path_beside_chunks_and_with_a_window(
     ours = _attend(batch, kernel=kernel, **kw)  # type: ignore[arg-type]
     torch_path = _attend(batch, kernel=None, **kw)  # type: ignore[arg-type]
     torch.testing.assert_close(ours, torch_path, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (6, 6), (12, 4), (8, 1)])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_prefill_kernel_equals_the_torch_path_for_whole_prompts(
+    kernel: CpuKernels, block_size: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    # Ragged prompts from one token to past a task's query rows (384 / group positions),
+    # so a sequence spans several tasks and key tiles end mid-block.
+    lens = [1, 2, 31, 33, 130, 7, 400]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 9
+    batch = _batch(lens, lens, block_size, num_blocks, seed=head_dim + heads)
+    kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    kw |= dict(num_blocks=num_blocks, dtype=torch.float32, window=None)
+    ours = _attend(batch, kernel=kernel, **kw)  # type: ignore[arg-type]
+    torch_path = _attend(batch, kernel=None, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(ours, torch_path, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 40, 200])
+@pytest.mark.parametrize("head_dim", [48, 64])  # 48: no kernel for it, the torch path runs
+def test_prefill_kernel_equals_the_torch_path_after_a_cached_prefix(
+    kernel: CpuKernels, window: int | None, head_dim: int
+) -> None:
+    # Chunks whose first tokens sit deep in their context, beside decodes and a whole prompt.
+    query_lens, context_lens = [130, 1, 64, 3, 300], [300, 90, 64, 250, 301]
+    block_size, num_blocks = 16, 96
+    batch = _batch(query_lens, context_lens, block_size, num_blocks, seed=5)
+    kw = dict(heads=12, kv_heads=4, head_dim=head_dim, block_size=block_size)
+    kw |= dict(num_blocks=num_blocks, dtype=torch.float32, window=window)
+    ours = _attend(batch, kernel=kernel, **kw)  # type: ignore[arg-type]
+    torch_path = _attend(batch, kernel=None, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(ours, torch_path, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_in_bfloat16_is_close_to_the_float32_result(kernel: CpuKernels) -> None:
+    lens = [5, 40, 129]
+    batch = _batch(lens, lens, 16, 32, seed=2)
+    kw = dict(heads=12, kv_heads=4, head_dim=64, block_size=16, num_blocks=32, window=None)
+    ours = _attend(batch, kernel=kernel, dtype=torch.bfloat16, **kw)  # type: ignore[arg-type]
+    exact = _attend(batch, kernel=None, dtype=torch.float32, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(ours.float(), exact, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_refuses_rows_outside_the_step(kernel: CpuKernels) -> None:
+    kv = torch.zeros(4, 1, 2, 1, 4, 16)
+    q = torch.zeros(6, 2, 16)
+    out = torch.empty(6, 32)
+    lens = torch.tensor([5])
+    with pytest.raises(RuntimeError, match="query rows out of range"):
+        kernel.paged_prefill_(
+            q, kv, 0, torch.tensor([[0, 1]]), torch.tensor([3]), lens, lens, 0.25, None, out
+        )
+    with pytest.raises(RuntimeError, match="block table is shorter"):
+        kernel.paged_prefill_(
+            q, kv, 0, torch.tensor([[0]]), torch.tensor([0]), lens, lens, 0.25, None, out
+        )
 
 
 def test_kernel_in_bfloat16_is_close_to_the_float32_result(kernel: CpuKernels) -> None:
