@@ -62,8 +62,6 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-_ATTENTION_INPUTS = {"build", "_build_group", "_additive_mask", "_gather_rows", "_to_device"}
-
 # (path fragment, function names or None for any, stage): the first rule that matches
 # any frame of a stack names its stage, so more specific rules come first.
 RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
@@ -72,7 +70,7 @@ RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
     ("/services/engine/sampler.py", None, "engine.sample"),
     ("/services/engine/grammar.py", None, "engine.sample"),
     ("/services/engine/step_inputs.py", None, "engine.inputs"),
-    ("/services/engine/attention.py", frozenset(_ATTENTION_INPUTS), "engine.inputs"),
+    ("/services/engine/attention_metadata.py", None, "engine.inputs"),
     ("/services/engine/model.py", None, "engine.model"),
     ("/services/engine/attention.py", None, "engine.model"),
     ("/services/engine/rope.py", None, "engine.model"),

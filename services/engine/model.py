@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
+from services.engine.attention import paged_attention, write_kv
+from services.engine.attention_metadata import AttentionMetadata, PoolView
 from services.engine.batch import ForwardBatch
 from services.engine.config import ModelArgs
 from services.engine.cpu_kernels import CpuKernels

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.engine.attention import AttentionMetadata, PoolView, paged_attention, write_kv
+from services.engine.attention import paged_attention, write_kv
+from services.engine.attention_metadata import AttentionMetadata, PoolView
 from services.engine.batch import ForwardBatch
 from services.engine.cpu_kernels import CpuKernels, build_cpu_kernels
 from services.engine.messages import EngineRequest
