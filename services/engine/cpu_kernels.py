@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU hot path (``csrc/cpu_kernels.cpp``): built once, chosen once.
+"""C++ kernels for the CPU hot path (``csrc/``): built once, chosen once.
 
 * ``paged_decode``: decode attention (one query token per sequence). The pure-torch
   path (``attention.py``) first gathers every sequence's whole blocks into one padded
@@ -22,7 +22,7 @@
 
 float32 and bfloat16, float32 accumulation. Compiled with the host's g++ as a torch
 C++ extension the first time a process asks (``torch.utils.cpp_extension.load``,
-about 10 s, logged), into a cache folder keyed by the source, the flags, torch's
+about 10 s, logged), into a cache folder keyed by the sources, the flags, torch's
 version and this CPU's instruction sets (the code is built for the host:
 ``-march=native``); every later load is a check and a ``dlopen``. Where they cannot
 be built (no compiler), or the model is not on a CPU, the engine keeps the torch path:
@@ -53,7 +53,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = tuple(
+    _CSRC / name for name in ("cpu_kernels.cpp", "paged_decode.cpp", "paged_prefill.cpp")
+)
+_HEADERS = (_CSRC / "kernels.h",)
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
 # Shared by every process of a user (tests, CI, workers): compiled once per machine kind.
 DEFAULT_BUILD_ROOT = Path.home() / ".cache" / "baton" / "torch_extensions"
@@ -139,7 +143,8 @@ def _cpu_flags() -> str:
 
 
 def _build_dir(root: Path) -> Path:
-    key = "\n".join((_SOURCE.read_text(), " ".join(_CFLAGS), torch.__version__, _cpu_flags()))
+    code = "\n".join(path.read_text() for path in (*_SOURCES, *_HEADERS))
+    key = "\n".join((code, " ".join(_CFLAGS), torch.__version__, _cpu_flags()))
     return root / f"cpu_kernels_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -165,7 +170,7 @@ def build_cpu_kernels(build_root: Path = DEFAULT_BUILD_ROOT) -> CpuKernels:
     started = time.perf_counter()
     cpp_extension.load(
         name="baton_cpu_kernels",
-        sources=[str(_SOURCE)],
+        sources=[str(path) for path in _SOURCES],
         extra_cflags=list(_CFLAGS),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
