@@ -34,13 +34,10 @@ the corrected predictions say will miss.
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
+from router import live_speed
 from router.admission import Admission
 from router.correction import Outcome, OutcomeCorrector
 from router.cost_model import TransferCoeffs
@@ -49,16 +46,15 @@ from router.links import LinkFit
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
 from router.refusals import RefusalMeter
+from router.reservations import Reservations, worker_view
 from router.settings import RouterSettings
 from router.types import (
     ClusterView,
-    LengthClass,
     Plan,
     Reject,
     RequestProfile,
     Role,
-    RunningRequest,
-    StepSample,
+    WorkerReport,
     WorkerView,
     split_images,
 )
@@ -70,40 +66,6 @@ _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes pref
 # A link's figures reach the view only when they moved this much: each transfer nudges
 # the fit, and rebuilding both ends' rows for every nudge would double the view's work.
 _LINK_TOLERANCE = 0.05
-_RECENT_STEPS = 3  # decode steps whose median is the worker's speed now
-
-
-class WorkerReport(Protocol):
-    """What ``Router.update`` reads of a worker's telemetry (``WorkerSnapshot`` has it)."""
-
-    @property
-    def worker_id(self) -> str: ...
-    @property
-    def role(self) -> Role: ...
-    @property
-    def draining(self) -> bool: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def num_total_blocks(self) -> int: ...
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def running(self) -> tuple[RunningRequest, ...]: ...
-    @property
-    def waiting_prompt_lens(self) -> tuple[int, ...]: ...
-    @property
-    def recent_steps(self) -> tuple[StepSample, ...]: ...
-    @property
-    def kv_bytes_per_token(self) -> int: ...
-    @property
-    def max_num_seqs(self) -> int: ...
-    @property
-    def prefix_digest(self) -> tuple[int, ...]: ...
-    @property
-    def prefill_budget_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,23 +74,6 @@ class Hold:
 
     reason: str
     retry_after_s: float
-
-
-@dataclass(slots=True)
-class _Reservation:
-    plan: Plan
-    workers: set[str]  # the plan's workers whose telemetry does not count it yet
-    prefill_tokens: int
-    length_class: LengthClass
-    held_tokens: int
-    max_tokens: int
-    placed_s: float | None = None  # when ``place`` made it (None: reserved from outside)
-    image_tokens: int = 0  # queued on the plan's encode worker until its first event
-    # Split over several encode workers: each one's share of ``image_tokens``.
-    encode_tokens: dict[str, int] | None = None
-    # Its row in the decode worker's running set, one object for its lifetime: the
-    # policy keeps a request's memory-estimate draws while the same object runs there.
-    running: RunningRequest | None = None
 
 
 @dataclass(slots=True)
@@ -149,9 +94,7 @@ class Router:
         )
         self._workers: dict[str, _Worker] = {}
         self._dead: set[str] = set()
-        self._reservations: dict[str, _Reservation] = {}  # request id -> what it took
-        # worker id -> reserving request ids, oldest first (a dict keeps insertion order)
-        self._by_worker: dict[str, dict[str, None]] = {}
+        self._reservations = Reservations()
         self._observed: set[str] = set()  # request ids whose length θ has seen
         self._output_lens: deque[int] = deque(maxlen=_OUTPUT_HISTORY)
         self._output_tuple: tuple[int, ...] = ()
@@ -196,8 +139,8 @@ class Router:
             self._slots = None
             self._stale.discard(worker_id)
             self._view = None
-        for request_id in self._by_worker.pop(worker_id, {}):
-            self._drop_reservation(request_id)
+        for wid in self._reservations.drop_worker(worker_id):
+            self._invalidate(wid)
         self._links.pop(worker_id, None)
         self._published_links.pop(worker_id, None)
         self.corrector.forget(worker_id)
@@ -293,11 +236,10 @@ class Router:
         """``worker_id``'s telemetry counts the request now: drop its part of the
         reservation. No ``worker_id``: the request finished, failed or gave up waiting;
         drop all of it (and, if it was held, its place)."""
-        if worker_id is not None:
-            self._drop_reservation(request_id, worker_id)
-            return
-        self._observed.discard(request_id)
-        self._drop_reservation(request_id)
+        if worker_id is None:
+            self._observed.discard(request_id)
+        for wid in self._reservations.drop(request_id, worker_id):
+            self._invalidate(wid)
 
     def observe_transfer(
         self, prefill_worker: str, decode_worker: str, num_bytes: int, duration_s: float
@@ -352,77 +294,28 @@ class Router:
 
     def pending_age_s(self, worker_id: str, now_s: float) -> float:
         """How long the oldest request placed to prefill on ``worker_id`` has waited
-        without its first event (0 with none): the worker's queue as it is now, however
-        slowly it runs, where the view shows it as last reported and as modelled."""
-        for r in self._placed(worker_id, prefill=True):  # oldest first
-            if r.placed_s is not None:
-                return max(0.0, now_s - r.placed_s)
-        return 0.0
+        without its first event (``router.live_speed.pending_age_s``)."""
+        return live_speed.pending_age_s(self._reservations, worker_id, now_s)
 
     def recent_step_s(self, worker_id: str) -> float:
-        """The median of the last few decode steps ``worker_id`` reported while it runs
-        requests (0 when it runs none: an idle worker's old steps say nothing of the
-        next one): the decode worker's speed as it is now."""
-        steps = self._recent_steps(worker_id, prefill=False)
-        return statistics.median(s.duration_s for s in steps) if steps else 0.0
+        """The decode worker's speed as it is now (``router.live_speed.recent_step_s``)."""
+        return live_speed.recent_step_s(self._report(worker_id), self._reservations, worker_id)
 
     def recent_slowdown(self, worker_id: str, *, prefill: bool = False) -> float:
-        """How much slower than its cost model ``worker_id``'s last few decode steps
-        (``prefill``: steps that prefilled) ran while it has that work: the median of
-        measured / modelled; 0 when it has none (runs no request and has none placed to
-        decode there; ``prefill``: has no prompt waiting or placed on it) or the policy
-        keeps no cost model. The model is fitted from the same steps but over hundreds,
-        each weighed by its relative error, which favours the fast ones: where the speed
-        has just fallen (a loaded host, a grown batch on a CPU that computes it no
-        faster), this ratio knows it at once. A ratio is per step of whatever batch ran,
-        so an idle decode worker's last steps still price a burst placed on it: the first
-        request goes by the plan's own prediction, the ones after it at that speed (live,
-        2 prefill + 2 decode offered 48 req/s after a pause: 85 requests were admitted in
-        the first 2 s on the model's figures alone, 35 of them missed TPOT, and the grown
-        batches locked everyone out for 6 s while they drained)."""
+        """Measured over modelled for ``worker_id``'s last few steps while it has work
+        (``router.live_speed.recent_slowdown``)."""
         cost_model = getattr(self.policy, "cost_model", None)
-        steps = self._recent_steps(worker_id, prefill=prefill, placed=True)
-        if not callable(cost_model) or not steps:
-            return 0.0
-        model = cost_model(worker_id)
-        ratios = []
-        for s in steps:
-            modelled = model.step_s(s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens)
-            if modelled > 0:
-                ratios.append(s.duration_s / modelled)
-        return statistics.median(ratios) if ratios else 0.0
+        return live_speed.recent_slowdown(
+            self._report(worker_id),
+            self._reservations,
+            worker_id,
+            cost_model if callable(cost_model) else None,
+            prefill=prefill,
+        )
 
-    def _recent_steps(
-        self, worker_id: str, *, prefill: bool, placed: bool = False
-    ) -> list[StepSample]:
-        """The last few decode-only steps (``prefill``: steps that prefilled) that
-        ``worker_id`` reported, while it has that work now (runs a request, or with
-        ``placed`` has one placed to decode there; ``prefill``: has a prompt waiting or
-        placed on it); none otherwise."""
+    def _report(self, worker_id: str) -> WorkerReport | None:
         w = self._workers.get(worker_id)
-        if w is None:
-            return []
-        if prefill:
-            waiting = next(self._placed(worker_id, prefill=True), None)
-            busy = bool(w.report.waiting_prompt_lens) or waiting is not None
-        else:
-            busy = bool(w.report.running) or (
-                placed and next(self._placed(worker_id, prefill=False), None) is not None
-            )
-        if not busy:
-            return []
-        steps = [s for s in w.report.recent_steps if (s.num_prefill_tokens > 0) == prefill]
-        return steps[-_RECENT_STEPS:]
-
-    def _placed(self, worker_id: str, *, prefill: bool) -> Iterator[_Reservation]:
-        """Reservations that prefill (``prefill``) or decode on ``worker_id``, oldest
-        first (a colocated plan decodes on its prefill worker)."""
-        reservations = self._reservations
-        for rid in self._by_worker.get(worker_id, {}):
-            plan = reservations[rid].plan
-            there = plan.prefill_worker if prefill else plan.decode_worker or plan.prefill_worker
-            if there == worker_id:
-                yield reservations[rid]
+        return None if w is None else w.report
 
     def block_size(self) -> int | None:
         """The KV block size prompts are hashed by for prefix matching (the smallest)."""
@@ -450,38 +343,8 @@ class Router:
         """Hold what ``plan`` will take on its workers until ``release`` (``place`` does
         this for its plans, at ``placed_s``; for a plan made elsewhere, e.g. an operator
         pinning)."""
-        rid = profile.request_id
-        self._drop_reservation(rid)
-        tokens = effective_prefill_tokens(profile)
-        touched = _touched(plan)
-        self._reservations[rid] = _Reservation(
-            plan,
-            set(touched),
-            tokens,
-            self.classifier.classify(tokens),
-            profile.num_prompt_tokens + profile.num_image_tokens,
-            profile.max_tokens,
-            placed_s,
-            profile.num_image_tokens,
-            _encode_tokens(plan, profile),
-        )
-        for wid in touched:
-            self._by_worker.setdefault(wid, {})[rid] = None
+        for wid in self._reservations.add(profile, plan, self.classifier.classify, placed_s):
             self._invalidate(wid)
-
-    def _drop_reservation(self, request_id: str, worker_id: str | None = None) -> None:
-        r = self._reservations.get(request_id)
-        if r is None:
-            return
-        dropped = set(r.workers) if worker_id is None else r.workers & {worker_id}
-        for wid in dropped:
-            r.workers.discard(wid)
-            ids = self._by_worker.get(wid)
-            if ids is not None:
-                ids.pop(request_id, None)
-            self._invalidate(wid)
-        if not r.workers:
-            del self._reservations[request_id]
 
     def _invalidate(self, worker_id: str) -> None:
         if worker_id in self._workers:
@@ -489,66 +352,13 @@ class Router:
             self._view = None
 
     def _worker_view(self, wid: str, w: _Worker) -> WorkerView:
-        s = w.report
-        theta = self.classifier.threshold_tokens  # classify(n): short iff n < θ
-        short_tokens = long_tokens = num_short = num_long = 0
-        for n in s.waiting_prompt_lens:
-            if n < theta:
-                short_tokens += n
-                num_short += 1
-            else:
-                long_tokens += n
-                num_long += 1
-        queued_tokens = {LengthClass.SHORT: short_tokens, LengthClass.LONG: long_tokens}
-        queued_requests = {LengthClass.SHORT: num_short, LengthClass.LONG: num_long}
-        running = s.running
-        num_free_blocks = s.num_free_blocks
-        link = self._published_links.get(wid)
-        reserved = self._by_worker.get(wid, ())
-        inbound_tokens = 0
-        if reserved:
-            added: list[RunningRequest] = []
-            for rid in reserved:
-                r = self._reservations[rid]
-                if r.plan.prefill_worker == wid:
-                    queued_tokens[r.length_class] += r.prefill_tokens
-                    queued_requests[r.length_class] += 1
-                if r.plan.encode_worker == wid or r.encode_tokens:  # an encode queue: images
-                    share = (
-                        r.image_tokens if r.encode_tokens is None else r.encode_tokens.get(wid, 0)
-                    )
-                    queued_tokens[LengthClass.SHORT] += share
-                    queued_requests[LengthClass.SHORT] += 1 if share else 0
-                if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
-                    num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
-                    row = r.running
-                    if row is None:
-                        row = r.running = RunningRequest(r.held_tokens, 0, r.max_tokens)
-                    added.append(row)
-                    if r.plan.prefill_worker != wid:  # its KV comes over this worker's link
-                        inbound_tokens += r.held_tokens
-            if added:
-                running = (*running, *added)
-        return WorkerView(
-            worker_id=wid,
-            role=s.role,
-            num_total_blocks=s.num_total_blocks,
-            num_free_blocks=max(0, num_free_blocks),
-            block_size=s.block_size,
-            queued_tokens=queued_tokens,
-            queued_requests=queued_requests,
-            # The report's own tuple when nothing is reserved here: the policy's per-worker
-            # caches key on it, so a reservation released brings their old entry back.
-            running=running,
-            recent_steps=s.recent_steps,
-            kv_bytes_per_token=s.kv_bytes_per_token,
-            max_num_seqs=s.max_num_seqs,
-            draining=s.draining,
-            prefix_digest=w.digest,
-            prefill_budget_tokens=s.prefill_budget_tokens,
-            link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s if link else 0.0,
-            link_latency_s=link.latency_s if link else None,
-            inbound_tokens=inbound_tokens,
+        return worker_view(
+            wid,
+            w.report,
+            w.digest,
+            self._published_links.get(wid),
+            self.classifier.threshold_tokens,
+            self._reservations.on(wid),
         )
 
 
@@ -563,25 +373,6 @@ def _with_encode_worker(plan: Plan, view: ClusterView, num_images: int) -> Plan:
     parts = split_images(max(1, num_images), tuple(w.worker_id for w in ranked))
     split = parts if len(parts) > 1 else ()
     return dataclasses.replace(plan, encode_worker=parts[0][0], encode_parts=split)
-
-
-def _encode_tokens(plan: Plan, profile: RequestProfile) -> dict[str, int] | None:
-    """A split plan: each encode worker's share of the image tokens (by its images)."""
-    if not plan.encode_parts:
-        return None
-    per_image = profile.num_image_tokens / max(1, profile.num_images)
-    shares: dict[str, int] = {}
-    for wid, start, stop in plan.encode_parts:
-        shares[wid] = shares.get(wid, 0) + round((stop - start) * per_image)
-    return shares
-
-
-def _touched(plan: Plan) -> tuple[str, ...]:
-    decode = plan.decode_worker or plan.prefill_worker
-    touched = (
-        (plan.prefill_worker,) if decode == plan.prefill_worker else (plan.prefill_worker, decode)
-    )
-    return (*touched, *plan.encode_workers)
 
 
 def _moved(shown: TransferCoeffs, now: TransferCoeffs) -> bool:

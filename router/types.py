@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 __all__ = [
     "SLO",
@@ -20,6 +21,7 @@ __all__ = [
     "Role",
     "RunningRequest",
     "StepSample",
+    "WorkerReport",
     "WorkerView",
     "split_images",
 ]
@@ -159,3 +161,36 @@ class Reject:
     retry_after_s: float = 1.0
     hold: bool = False  # True: targets still reachable, keep it at the gateway and ask again
     retryable: bool = True  # False: the same request would fail on an idle cluster too
+
+
+class WorkerReport(Protocol):
+    """What ``Router.update`` reads of a worker's telemetry (``WorkerSnapshot`` has it)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def role(self) -> Role: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_total_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def running(self) -> tuple[RunningRequest, ...]: ...
+    @property
+    def waiting_prompt_lens(self) -> tuple[int, ...]: ...
+    @property
+    def recent_steps(self) -> tuple[StepSample, ...]: ...
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def prefix_digest(self) -> tuple[int, ...]: ...
+    @property
+    def prefill_budget_tokens(self) -> int: ...

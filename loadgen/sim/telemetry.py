@@ -1,5 +1,5 @@
 """What a simulated worker reports to the router: a ``WorkerSnapshot``'s fields that
-``router.Router.update`` reads (``router.front_door.WorkerReport``), nothing more.
+``router.Router.update`` reads (``router.types.WorkerReport``), nothing more.
 
 The simulator reports a worker whenever its state changed and before the next
 decision (the live gateway sees telemetry up to 100 ms old, and covers the gap with

@@ -134,8 +134,7 @@ def _reference_view_fields(r: Router, wid: str) -> tuple[object, ...]:
     running = list(s.running)
     num_free_blocks = s.num_free_blocks
     inbound_tokens = 0
-    for rid in r._by_worker.get(wid, ()):
-        res = r._reservations[rid]
+    for res in r._reservations.on(wid):
         if res.plan.prefill_worker == wid:
             queued_tokens[res.length_class] += res.prefill_tokens
             queued_requests[res.length_class] += 1
@@ -188,6 +187,6 @@ def test_views_and_plans_equal_the_replaced_view_on_random_traffic(seed: int) ->
             w = view[wid]
             got = (w.queued_tokens, w.queued_requests, w.running, w.num_free_blocks)
             assert (*got, w.inbound_tokens) == _reference_view_fields(router, wid)
-            if not router._by_worker.get(wid):  # nothing reserved: the report's own tuple
+            if not router._reservations.on(wid):  # nothing reserved: the report's own tuple
                 assert w.running is router._workers[wid].report.running
     assert num_plans > 20

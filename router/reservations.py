@@ -1,0 +1,208 @@
+"""What the router has placed that the workers' telemetry does not count yet.
+
+A plan is reserved on its workers from ``Router.place`` until each worker's telemetry
+counts it (``Router.release(id, worker)``) or the request ends (``release(id)``).
+``Reservations`` keeps them by request and by worker, oldest first; ``worker_view``
+shows a worker as the policy must see it: its last report plus what is reserved there
+(prompts queued to prefill, running rows and blocks to decode, KV inbound over its link).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from router.cost_model import TransferCoeffs
+from router.length import effective_prefill_tokens
+from router.types import (
+    LengthClass,
+    Plan,
+    RequestProfile,
+    RunningRequest,
+    WorkerReport,
+    WorkerView,
+)
+
+__all__ = ["Reservation", "Reservations", "worker_view"]
+
+
+@dataclass(slots=True)
+class Reservation:
+    plan: Plan
+    workers: set[str]  # the plan's workers whose telemetry does not count it yet
+    prefill_tokens: int
+    length_class: LengthClass
+    held_tokens: int
+    max_tokens: int
+    placed_s: float | None = None  # when ``place`` made it (None: reserved from outside)
+    image_tokens: int = 0  # queued on the plan's encode worker until its first event
+    # Split over several encode workers: each one's share of ``image_tokens``.
+    encode_tokens: dict[str, int] | None = None
+    # Its row in the decode worker's running set, one object for its lifetime: the
+    # policy keeps a request's memory-estimate draws while the same object runs there.
+    running: RunningRequest | None = None
+
+
+class Reservations:
+    """Reservations by request id, and each worker's request ids, oldest first."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Reservation] = {}
+        # worker id -> reserving request ids, oldest first (a dict keeps insertion order)
+        self._by_worker: dict[str, dict[str, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def add(
+        self,
+        profile: RequestProfile,
+        plan: Plan,
+        classify: Callable[[int], LengthClass],
+        placed_s: float | None,
+    ) -> tuple[str, ...]:
+        """Reserve ``plan`` for ``profile`` (in place of any earlier reservation of the
+        request); returns the workers whose view it changes."""
+        rid = profile.request_id
+        dropped = self.drop(rid)
+        tokens = effective_prefill_tokens(profile)
+        touched = _touched(plan)
+        self._by_id[rid] = Reservation(
+            plan,
+            set(touched),
+            tokens,
+            classify(tokens),
+            profile.num_prompt_tokens + profile.num_image_tokens,
+            profile.max_tokens,
+            placed_s,
+            profile.num_image_tokens,
+            _encode_tokens(plan, profile),
+        )
+        for wid in touched:
+            self._by_worker.setdefault(wid, {})[rid] = None
+        return (*dropped, *touched)
+
+    def drop(self, request_id: str, worker_id: str | None = None) -> Sequence[str]:
+        """Drop ``worker_id``'s part of a reservation (None: all of it); returns the
+        workers whose view that changes."""
+        r = self._by_id.get(request_id)
+        if r is None:
+            return ()
+        dropped = tuple(r.workers) if worker_id is None else tuple(r.workers & {worker_id})
+        for wid in dropped:
+            r.workers.discard(wid)
+            ids = self._by_worker.get(wid)
+            if ids is not None:
+                ids.pop(request_id, None)
+        if not r.workers:
+            del self._by_id[request_id]
+        return dropped
+
+    def drop_worker(self, worker_id: str) -> set[str]:
+        """A dead worker: every reservation that touches it goes whole; returns the
+        workers whose view that changes."""
+        changed: set[str] = set()
+        for request_id in self._by_worker.pop(worker_id, {}):
+            changed.update(self.drop(request_id))
+        return changed
+
+    def on(self, worker_id: str) -> list[Reservation]:
+        """The reservations touching ``worker_id``, oldest first."""
+        ids = self._by_worker.get(worker_id)
+        return [self._by_id[rid] for rid in ids] if ids else []
+
+    def placed(self, worker_id: str, *, prefill: bool) -> Iterator[Reservation]:
+        """Reservations that prefill (``prefill``) or decode on ``worker_id``, oldest
+        first (a colocated plan decodes on its prefill worker)."""
+        for r in self.on(worker_id):
+            plan = r.plan
+            there = plan.prefill_worker if prefill else plan.decode_worker or plan.prefill_worker
+            if there == worker_id:
+                yield r
+
+
+def worker_view(
+    wid: str,
+    s: WorkerReport,
+    digest: frozenset[int],
+    link: TransferCoeffs | None,
+    theta: float,
+    reserved: list[Reservation],
+) -> WorkerView:
+    """Worker ``wid`` as the policy sees it: report ``s`` with ``reserved`` (its
+    reservations, oldest first) added; queued prompts classified by ``theta`` (short
+    iff fewer tokens)."""
+    short_tokens = long_tokens = num_short = num_long = 0
+    for n in s.waiting_prompt_lens:
+        if n < theta:
+            short_tokens += n
+            num_short += 1
+        else:
+            long_tokens += n
+            num_long += 1
+    queued_tokens = {LengthClass.SHORT: short_tokens, LengthClass.LONG: long_tokens}
+    queued_requests = {LengthClass.SHORT: num_short, LengthClass.LONG: num_long}
+    running = s.running
+    num_free_blocks = s.num_free_blocks
+    inbound_tokens = 0
+    if reserved:
+        added: list[RunningRequest] = []
+        for r in reserved:
+            if r.plan.prefill_worker == wid:
+                queued_tokens[r.length_class] += r.prefill_tokens
+                queued_requests[r.length_class] += 1
+            if r.plan.encode_worker == wid or r.encode_tokens:  # an encode queue: images
+                share = r.image_tokens if r.encode_tokens is None else r.encode_tokens.get(wid, 0)
+                queued_tokens[LengthClass.SHORT] += share
+                queued_requests[LengthClass.SHORT] += 1 if share else 0
+            if (r.plan.decode_worker or r.plan.prefill_worker) == wid:
+                num_free_blocks -= math.ceil((r.held_tokens + 1) / s.block_size)
+                row = r.running
+                if row is None:
+                    row = r.running = RunningRequest(r.held_tokens, 0, r.max_tokens)
+                added.append(row)
+                if r.plan.prefill_worker != wid:  # its KV comes over this worker's link
+                    inbound_tokens += r.held_tokens
+        if added:
+            running = (*running, *added)
+    return WorkerView(
+        worker_id=wid,
+        role=s.role,
+        num_total_blocks=s.num_total_blocks,
+        num_free_blocks=max(0, num_free_blocks),
+        block_size=s.block_size,
+        queued_tokens=queued_tokens,
+        queued_requests=queued_requests,
+        # The report's own tuple when nothing is reserved here: the policy's per-worker
+        # caches key on it, so a reservation released brings their old entry back.
+        running=running,
+        recent_steps=s.recent_steps,
+        kv_bytes_per_token=s.kv_bytes_per_token,
+        max_num_seqs=s.max_num_seqs,
+        draining=s.draining,
+        prefix_digest=digest,
+        prefill_budget_tokens=s.prefill_budget_tokens,
+        link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s if link else 0.0,
+        link_latency_s=link.latency_s if link else None,
+        inbound_tokens=inbound_tokens,
+    )
+
+
+def _encode_tokens(plan: Plan, profile: RequestProfile) -> dict[str, int] | None:
+    """A split plan: each encode worker's share of the image tokens (by its images)."""
+    if not plan.encode_parts:
+        return None
+    per_image = profile.num_image_tokens / max(1, profile.num_images)
+    shares: dict[str, int] = {}
+    for wid, start, stop in plan.encode_parts:
+        shares[wid] = shares.get(wid, 0) + round((stop - start) * per_image)
+    return shares
+
+
+def _touched(plan: Plan) -> tuple[str, ...]:
+    decode = plan.decode_worker or plan.prefill_worker
+    touched = (
+        (plan.prefill_worker,) if decode == plan.prefill_worker else (plan.prefill_worker, decode)
+    )
+    return (*touched, *plan.encode_workers)
