@@ -93,6 +93,9 @@ class WorkerTable:
         self.fullness = zeros()
         self.queued_tokens = zeros()
         self.tables: list[PeakTable | None] = [None] * n
+        # Rows without a peak table: what their queue waits were priced with (see
+        # ``_refill_queues``), else None.
+        self._queue_pricing: list[_QueuePricing | None] = [None] * n
         # Request-independent parts of the checks, so a request costs few array operations.
         self.prefill_penalty = np.full(n, np.inf)  # 0 on usable prefill workers
         self.transfer_s_per_token = zeros()  # kv_bytes_per_token / bandwidth
@@ -124,7 +127,8 @@ class WorkerTable:
         self.workers = new
         self._draw_tables([new[i] for i in changed])
         for i in changed:
-            self._fill_row(i, new[i])
+            if not self._refill_queues(i, old[i], new[i]):
+                self._fill_row(i, new[i])
 
     def _rebuild(self, workers: Sequence[WorkerView]) -> None:
         self._allocate(len(workers))
@@ -208,9 +212,13 @@ class WorkerTable:
             table = self._peak_table(entry)
             self.tables[i] = table
             peak = table.peak_tokens
+            self._queue_pricing[i] = None
         else:
             self.tables[i] = None
             peak = 0.0
+            self._queue_pricing[i] = _QueuePricing(
+                queue_coeffs, budget, p_margin, model, model.num_samples
+            )
         self.peak_tokens[i] = peak
 
         # What every request's checks share.
@@ -228,6 +236,29 @@ class WorkerTable:
         self.coloc_ok[i] = seat and coloc and peak < limit
         self.batch_decode_ok[i] = seat and decode and peak < batch_limit
         self.batch_coloc_ok[i] = seat and coloc and peak < batch_limit
+
+    def _refill_queues(self, i: int, old: WorkerView, new: WorkerView) -> bool:
+        """Row ``i`` anew where ``new`` differs from ``old`` only in its queues (a
+        reservation placed or released on a prefill worker: the commonest change at a
+        decision) and the row has no peak table: only the queue waits are priced again,
+        exactly as ``_fill_row`` would (its other values depend on nothing that moved,
+        and it would draw nothing). False: the row needs ``_fill_row``."""
+        pricing = self._queue_pricing[i]
+        if (
+            pricing is None
+            or pricing.model.num_samples != pricing.num_samples
+            or not _same_but_queues(old, new)
+        ):
+            return False
+        queued, counts = new.queued_tokens, new.queued_requests
+        self.queued_tokens[i] = sum(queued.values())
+        coeffs, budget, margin = pricing.queue_coeffs, pricing.budget, pricing.margin
+        mode = self.settings.split_mode
+        short_s = queue_wait_s(coeffs, queued, counts, LengthClass.SHORT, mode, budget)
+        long_s = queue_wait_s(coeffs, queued, counts, LengthClass.LONG, mode, budget)
+        self.wait_short_s[i] = short_s * margin
+        self.wait_long_s[i] = long_s * margin
+        return True
 
     @staticmethod
     def _prefill_curve(
@@ -363,3 +394,35 @@ class WorkerTable:
             mask |= self.role == _ROLE_CODES[role]
         result: np.ndarray = mask & self.usable
         return result
+
+
+@dataclass(frozen=True, slots=True)
+class _QueuePricing:
+    """What a row's queue waits were priced with: the queue's per-step curve, the step
+    budget and the error margin of ``model`` after ``num_samples`` observations."""
+
+    queue_coeffs: QuadCoeffs
+    budget: int
+    margin: float
+    model: CostModel
+    num_samples: int
+
+
+def _same_but_queues(old: WorkerView, new: WorkerView) -> bool:
+    """Every field but the queues the same (tuples and sets by identity)."""
+    return (
+        old.running is new.running
+        and old.recent_steps is new.recent_steps
+        and old.prefix_digest is new.prefix_digest
+        and old.alive == new.alive
+        and old.draining == new.draining
+        and old.num_total_blocks == new.num_total_blocks
+        and old.num_free_blocks == new.num_free_blocks
+        and old.block_size == new.block_size
+        and old.link_bandwidth_bytes_per_s == new.link_bandwidth_bytes_per_s
+        and old.link_latency_s == new.link_latency_s
+        and old.kv_bytes_per_token == new.kv_bytes_per_token
+        and old.max_num_seqs == new.max_num_seqs
+        and old.prefill_budget_tokens == new.prefill_budget_tokens
+        and old.inbound_tokens == new.inbound_tokens
+    )
