@@ -6,15 +6,26 @@ with two or more distinct ``m`` in the window the fit is ordinary least squares,
 otherwise (every request the same size, the common case: images are a fixed number
 of tokens each) the seed's ``a`` is kept and ``b`` is the one slope through the
 samples. Neither coefficient goes below zero.
+
+``price_encode`` prices a request's encode for ``slo_goodput`` (step 4 of its module
+docstring): on its prefill worker, or split over the least-queued encode workers.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from router.cost_model import EncodeCoeffs
+from router.types import RequestProfile, Role, split_images
 
-__all__ = ["EncodeFit"]
+if TYPE_CHECKING:
+    from router.worker_table import WorkerTable
+
+__all__ = ["EncodeFit", "price_encode", "remote_for"]
 
 _WINDOW = 64
 
@@ -52,3 +63,52 @@ class EncodeFit:
         a = self.seed.a
         b = max(0.0, sum((d - a) * m for m, d in zip(ms, ds)) / sum(m * m for m in ms))
         return EncodeCoeffs(a=a, b=b)
+
+
+def price_encode(
+    t: WorkerTable,
+    fit: EncodeFit,
+    profile: RequestProfile,
+    wait_s: np.ndarray | float,
+    own_s: float,
+) -> tuple[np.ndarray | float, np.ndarray | bool, tuple[tuple[str, int, int], ...]]:
+    """Per prefill worker of ``t``: the TTFT the encode adds and whether it runs
+    remotely; and the parts (encode worker, first image, end image) that would run it.
+    ``wait_s``: each prefill worker's queue wait for the request; ``own_s``: the
+    encode on the prefill worker itself."""
+    if profile.num_image_tokens <= 0:
+        return 0.0, False, ()
+    mask = t.is_role(Role.ENCODE)
+    if not mask.any() or t.workers is None:
+        return own_s, False, ()
+    b = fit.estimate.b
+    encoders = np.flatnonzero(mask)
+    order = encoders[np.argsort(t.queued_tokens[encoders], kind="stable")]
+    num_images = max(1, profile.num_images)
+    ids = tuple(t.workers[int(e)].worker_id for e in order[:num_images])
+    per_image = profile.num_image_tokens / num_images
+    ready_s, parts = math.inf, split_images(num_images, ids[:1])
+    for k in range(1, len(ids) + 1):
+        split = split_images(num_images, ids[:k])
+        ready_k = max(
+            b * float(t.queued_tokens[e])
+            + fit.encode_s((stop - start) * per_image)
+            + float(t.link_latency_s[e])
+            for e, (_, start, stop) in zip(order, split, strict=False)
+        )
+        if ready_k < ready_s - 1e-9:  # a tie keeps fewer parts
+            ready_s, parts = ready_k, split
+    remote_s = np.maximum(0.0, ready_s - wait_s)
+    # A profile that prices no encode (and nothing fitted yet) defers to the operator,
+    # who started encode workers to use them.
+    remote = remote_s <= 2.0 * own_s if own_s > 0 else np.full_like(t.queued_tokens, True, bool)
+    return np.where(remote, remote_s, own_s), remote, parts
+
+
+def remote_for(t: WorkerTable, prefill_worker: str, remote: np.ndarray | bool) -> bool:
+    """Whether ``price_encode`` said remote for ``prefill_worker``."""
+    if not isinstance(remote, np.ndarray):
+        return bool(remote)
+    workers = t.workers or ()
+    index = next(i for i, w in enumerate(workers) if w.worker_id == prefill_worker)
+    return bool(remote[index])

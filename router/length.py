@@ -27,14 +27,15 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 
-from router.cost_model import QuadCoeffs, prefill_knee_tokens
-from router.types import LengthClass, RequestProfile
+from router.cost_model import CostModel, QuadCoeffs, prefill_knee_tokens
+from router.types import LengthClass, RequestProfile, Role, WorkerView
 
 __all__ = [
     "LengthClassifier",
     "SplitMode",
     "effective_prefill_tokens",
     "long_pool",
+    "prefill_curve",
     "queue_wait_s",
 ]
 
@@ -125,6 +126,31 @@ def queue_wait_s(
         steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
         wait_s += steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
     return wait_s
+
+
+def prefill_curve(
+    w: WorkerView, model: CostModel, held: float
+) -> tuple[QuadCoeffs, QuadCoeffs, int]:
+    """(one request's prefill curve, the queue's per-step curve, step budget) as
+    this worker actually prefills.
+
+    A prefill worker runs prompts in steps of ``prefill_budget_tokens``. A worker
+    that also decodes (chunked prefill) gives each step's budget to its running
+    sequences first, one token each, and prefills in the rest, and every such step
+    lasts a decode step too: ``n`` tokens take ``⌈n / chunk⌉`` steps of
+    ``max(a_p, a_d) + b_d·B + c_d·ΣL`` plus the token terms. Pricing it like a
+    prefill worker made a busy decode worker look far faster for a long prompt
+    than it is (0.2 s predicted where the chunks took seconds)."""
+    coeffs, budget = model.prefill_coeffs, w.prefill_budget_tokens
+    if w.role is Role.PREFILL or budget <= 0 or not w.running:
+        return coeffs, coeffs, budget
+    dec = model.decode_coeffs
+    num_running = len(w.running)
+    chunk = max(1, budget - num_running)
+    step_s = max(coeffs.a, dec.a) + dec.b * num_running + dec.c * held
+    # One request: ⌈n / chunk⌉·step ≤ step + n·step / chunk, folded into a and b.
+    own = QuadCoeffs(step_s, coeffs.b + step_s / chunk, coeffs.c)
+    return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
 
 def long_pool(prefill_worker_ids: Sequence[str], long_fraction: float) -> frozenset[str]:

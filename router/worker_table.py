@@ -25,7 +25,7 @@ import numpy as np
 
 from router.cost_model import CostModel, Profile, QuadCoeffs
 from router.estimator import PeakTable, remaining_tokens
-from router.length import SplitMode, long_pool, queue_wait_s
+from router.length import SplitMode, long_pool, prefill_curve, queue_wait_s
 from router.prefix_index import PrefixIndex
 from router.running_sets import RunningEntry, derived_entry, extended_entry, new_entry
 from router.types import ClusterView, LengthClass, Role, RunningRequest, StepSample, WorkerView
@@ -165,7 +165,7 @@ class WorkerTable:
 
         entry = self._running_entry(w)
         held_total = entry.held_total
-        q, queue_coeffs, budget = self._prefill_curve(w, model, held_total)
+        q, queue_coeffs, budget = prefill_curve(w, model, held_total)
         p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
         self.pa[i], self.pb[i], self.pc[i] = q.a * p_margin, q.b * p_margin, q.c * p_margin
         mode = s.split_mode
@@ -259,31 +259,6 @@ class WorkerTable:
         self.wait_short_s[i] = short_s * margin
         self.wait_long_s[i] = long_s * margin
         return True
-
-    @staticmethod
-    def _prefill_curve(
-        w: WorkerView, model: CostModel, held: float
-    ) -> tuple[QuadCoeffs, QuadCoeffs, int]:
-        """(one request's prefill curve, the queue's per-step curve, step budget) as
-        this worker actually prefills.
-
-        A prefill worker runs prompts in steps of ``prefill_budget_tokens``. A worker
-        that also decodes (chunked prefill) gives each step's budget to its running
-        sequences first, one token each, and prefills in the rest, and every such step
-        lasts a decode step too: ``n`` tokens take ``⌈n / chunk⌉`` steps of
-        ``max(a_p, a_d) + b_d·B + c_d·ΣL`` plus the token terms. Pricing it like a
-        prefill worker made a busy decode worker look far faster for a long prompt
-        than it is (0.2 s predicted where the chunks took seconds)."""
-        coeffs, budget = model.prefill_coeffs, w.prefill_budget_tokens
-        if w.role is Role.PREFILL or budget <= 0 or not w.running:
-            return coeffs, coeffs, budget
-        dec = model.decode_coeffs
-        num_running = len(w.running)
-        chunk = max(1, budget - num_running)
-        step_s = max(coeffs.a, dec.a) + dec.b * num_running + dec.c * held
-        # One request: ⌈n / chunk⌉·step ≤ step + n·step / chunk, folded into a and b.
-        own = QuadCoeffs(step_s, coeffs.b + step_s / chunk, coeffs.c)
-        return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
     def _running_entry(self, w: WorkerView) -> RunningEntry:
         """The worker's running set as rows, with its peak table, kept while the set is

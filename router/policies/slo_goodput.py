@@ -64,7 +64,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, load_profile
-from router.encode_fit import EncodeFit
+from router.encode_fit import EncodeFit, price_encode, remote_for
 from router.estimator import sample_output_lengths, sorted_history
 from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
 from router.planner import RolePressure
@@ -78,7 +78,6 @@ from router.types import (
     RequestProfile,
     Role,
     StepSample,
-    split_images,
 )
 from router.worker_table import TableSettings, WorkerTable
 
@@ -272,7 +271,9 @@ class SloGoodput:
             case _:
                 wait_s = t.wait_long_s if is_long else t.wait_short_s
         own_encode_s = self._encode_fit.encode_s(profile.num_image_tokens)
-        encode_s, remote, encode_parts = self._encode(profile, wait_s, own_encode_s)
+        encode_s, remote, encode_parts = price_encode(
+            t, self._encode_fit, profile, wait_s, own_encode_s
+        )
         ttft_local = wait_s + prefill_s
         if profile.num_image_tokens > 0:
             ttft_local = ttft_local + encode_s
@@ -340,7 +341,7 @@ class SloGoodput:
                 t, ttft_local, feasible_decode, budget_s, elapsed_s, batch, hopeless
             )
         plan = best[1]
-        if not encode_parts or not self._remote_for(plan.prefill_worker, remote):
+        if not encode_parts or not remote_for(t, plan.prefill_worker, remote):
             return plan
         split = encode_parts if len(encode_parts) > 1 else ()
         return replace(plan, encode_worker=encode_parts[0][0], encode_parts=split)
@@ -372,48 +373,6 @@ class SloGoodput:
         for index, blocks in matched.items():  # a few workers: Python floats, same values
             n[index] = max(1.0, total - blocks * float(block_size[index]))
         return n
-
-    def _encode(
-        self, profile: RequestProfile, wait_s: np.ndarray | float, own_s: float
-    ) -> tuple[np.ndarray | float, np.ndarray | bool, tuple[tuple[str, int, int], ...]]:
-        """Per prefill worker: the TTFT the encode adds and whether it runs remotely;
-        and the parts (encode worker, first image, end image) that would run it (see
-        step 4 of the module docstring)."""
-        if profile.num_image_tokens <= 0:
-            return 0.0, False, ()
-        t = self._table
-        mask = t.is_role(Role.ENCODE)
-        if not mask.any() or t.workers is None:
-            return own_s, False, ()
-        b = self._encode_fit.estimate.b
-        encoders = np.flatnonzero(mask)
-        order = encoders[np.argsort(t.queued_tokens[encoders], kind="stable")]
-        num_images = max(1, profile.num_images)
-        ids = tuple(t.workers[int(e)].worker_id for e in order[:num_images])
-        per_image = profile.num_image_tokens / num_images
-        ready_s, parts = math.inf, split_images(num_images, ids[:1])
-        for k in range(1, len(ids) + 1):
-            split = split_images(num_images, ids[:k])
-            ready_k = max(
-                b * float(t.queued_tokens[e])
-                + self._encode_fit.encode_s((stop - start) * per_image)
-                + float(t.link_latency_s[e])
-                for e, (_, start, stop) in zip(order, split, strict=False)
-            )
-            if ready_k < ready_s - 1e-9:  # a tie keeps fewer parts
-                ready_s, parts = ready_k, split
-        remote_s = np.maximum(0.0, ready_s - wait_s)
-        # A profile that prices no encode (and nothing fitted yet) defers to the operator,
-        # who started encode workers to use them.
-        remote = remote_s <= 2.0 * own_s if own_s > 0 else np.full_like(t.queued_tokens, True, bool)
-        return np.where(remote, remote_s, own_s), remote, parts
-
-    def _remote_for(self, prefill_worker: str, remote: np.ndarray | bool) -> bool:
-        if not isinstance(remote, np.ndarray):
-            return bool(remote)
-        workers = self._table.workers or ()
-        index = next(i for i, w in enumerate(workers) if w.worker_id == prefill_worker)
-        return bool(remote[index])
 
     def _next_candidate(self) -> list[float]:
         row: list[float] = self._ring_rows[self._ring_next]

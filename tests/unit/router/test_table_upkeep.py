@@ -22,7 +22,7 @@ import pytest
 from router.cost_model import DEFAULT_PROFILE, CostModel
 from router.estimator import PeakTable, remaining_tokens
 from router.front_door import Router, RouterSettings
-from router.length import SplitMode, queue_wait_s
+from router.length import SplitMode, prefill_curve, queue_wait_s
 from router.running_sets import ROW_FIELDS, RunningEntry, extended_entry, new_entry
 from router.types import (
     LengthClass,
@@ -82,7 +82,7 @@ def _reference_fill_row(t: WorkerTable, i: int, w: WorkerView) -> None:
     t.queued_tokens[i] = sum(w.queued_tokens.values())
     entry = _reference_running_entry(t, w)
     held_total = entry.held_total
-    coeffs, queue_coeffs, budget = t._prefill_curve(w, model, held_total)
+    coeffs, queue_coeffs, budget = prefill_curve(w, model, held_total)
     p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
     t.pa[i], t.pb[i], t.pc[i] = coeffs.a * p_margin, coeffs.b * p_margin, coeffs.c * p_margin
     mode = s.split_mode
