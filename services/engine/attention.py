@@ -1,11 +1,12 @@
 """Attention over the paged KV pool, built from plain torch ops.
 
 Per step, ``AttentionMetadata.build`` (``attention_metadata.py``) turns a
-``ForwardBatch`` into index tensors once; every layer then (1) writes the new tokens' K/V at their slots,
-(2) gathers each sequence's whole blocks through its block table, and (3) runs
-one ``scaled_dot_product_attention`` per group of sequences, padded to the
-group's longest query and context, with an additive mask that is causal in
-absolute positions (a query at position p sees keys 0..p of its own sequence).
+``ForwardBatch`` into index tensors once; every layer then (1) writes the new
+tokens' K/V at their slots, (2) gathers each sequence's whole blocks through its
+block table, and (3) runs one ``scaled_dot_product_attention`` per group of
+sequences, padded to the group's longest query and context, with an additive mask
+that is causal in absolute positions (a query at position p sees keys 0..p of its
+own sequence).
 
 Decode sequences (one new token) and prefill chunks form separate groups, so a
 long chunk does not pad every decode row to its length. Query heads are folded

@@ -57,7 +57,8 @@ class PoolView:
 
 @dataclass(slots=True)
 class SeqGroup:
-    """Sequences attended by one SDPA call, padded to ``max_query_len`` x context."""
+    """Sequences attended together: by one C++ kernel call, or by one SDPA call padded to
+    ``max_query_len`` x context."""
 
     token_index: torch.Tensor | None  # [Tg] the group's tokens in step order; None: all, in order
     row: torch.Tensor | None  # [Tg] each token's sequence row (chunks only)
