@@ -160,19 +160,13 @@ class WorkerTable:
         kv_bytes_per_token = w.kv_bytes_per_token or s.profile.kv_bytes_per_token
         self.kv_bytes_per_token[i] = kv_bytes_per_token
         self.block_size[i] = w.block_size
-        queued, counts = w.queued_tokens, w.queued_requests
-        self.queued_tokens[i] = sum(queued.values())
 
         entry = self._running_entry(w)
         held_total = entry.held_total
         q, queue_coeffs, budget = prefill_curve(w, model, held_total)
         p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
         self.pa[i], self.pb[i], self.pc[i] = q.a * p_margin, q.b * p_margin, q.c * p_margin
-        mode = s.split_mode
-        short_s = queue_wait_s(queue_coeffs, queued, counts, LengthClass.SHORT, mode, budget)
-        long_s = queue_wait_s(queue_coeffs, queued, counts, LengthClass.LONG, mode, budget)
-        self.wait_short_s[i] = short_s * p_margin
-        self.wait_long_s[i] = long_s * p_margin
+        self._price_queues(i, w, queue_coeffs, budget, p_margin)
 
         num_running = len(w.running)
         dec = model.decode_coeffs
@@ -250,15 +244,20 @@ class WorkerTable:
             or not _same_but_queues(old, new)
         ):
             return False
-        queued, counts = new.queued_tokens, new.queued_requests
+        self._price_queues(i, new, pricing.queue_coeffs, pricing.budget, pricing.margin)
+        return True
+
+    def _price_queues(
+        self, i: int, w: WorkerView, coeffs: QuadCoeffs, budget: int, margin: float
+    ) -> None:
+        """Row ``i``'s queued tokens and each length class's queue wait (with ``margin``)."""
+        queued, counts = w.queued_tokens, w.queued_requests
         self.queued_tokens[i] = sum(queued.values())
-        coeffs, budget, margin = pricing.queue_coeffs, pricing.budget, pricing.margin
         mode = self.settings.split_mode
         short_s = queue_wait_s(coeffs, queued, counts, LengthClass.SHORT, mode, budget)
         long_s = queue_wait_s(coeffs, queued, counts, LengthClass.LONG, mode, budget)
         self.wait_short_s[i] = short_s * margin
         self.wait_long_s[i] = long_s * margin
-        return True
 
     def _running_entry(self, w: WorkerView) -> RunningEntry:
         """The worker's running set as rows, with its peak table, kept while the set is
