@@ -86,7 +86,7 @@ class AttentionMetadata:
     # [T * 2 * kv_heads]: token rows of layer 0, in (token, k/v, head) order
     write_rows: torch.Tensor
     groups: list[SeqGroup]
-    cpu_kernels: CpuKernels | None  # runs decode groups (and RoPE + KV writes) when set
+    cpu_kernels: CpuKernels | None  # runs attention (and RoPE + KV writes) when set
     slots: torch.Tensor  # [T] pool slot of each new token (the batch's slot_mapping)
     sliding_window: int | None
 
@@ -161,16 +161,19 @@ def _build_group(
         table = batch.block_tables[i][:max_blocks]
         block_ids[j, : len(table)] = table
     covers_all = num_seqs == len(batch.query_lens)
-    kernel_decode = use_kernel and max_query_len == 1
-    if use_kernel and max_query_len > 1 and pool.head_dim in PREFILL_KERNEL_HEAD_DIMS:
-        # The prefill kernel reads the block tables and writes each query's own row.
+    decode = max_query_len == 1
+    if use_kernel and (decode or pool.head_dim in PREFILL_KERNEL_HEAD_DIMS):
+        # The kernels read K/V through the block tables: no gather rows, no mask. The
+        # decode kernel's queries are gathered by token (unless they are all the step's);
+        # the prefill kernel reads and writes each sequence's own rows.
+        starts_t = _to_device(starts[seqs], device)
         return SeqGroup(
-            token_index=None, row=None, col=None, num_seqs=num_seqs,
-            max_query_len=max_query_len, max_blocks=max_blocks,
+            token_index=None if covers_all or not decode else starts_t, row=None, col=None,
+            num_seqs=num_seqs, max_query_len=max_query_len, max_blocks=max_blocks,
             gather_rows=positions.new_empty(0), block_table=_to_device(block_ids, device),
             context_lens=_to_device(context_lens, device),
-            query_starts=_to_device(starts[seqs], device),
-            query_lens=_to_device(group_query_lens, device),
+            query_starts=None if decode else starts_t,
+            query_lens=None if decode else _to_device(group_query_lens, device),
             fresh=False, uniform=False, mask=positions.new_empty(0),
         )  # fmt: skip
     fresh = (
@@ -180,7 +183,7 @@ def _build_group(
     )
     # A sequence's new tokens sit at the end of its context.
     first_pos = context_lens - group_query_lens
-    if max_query_len == 1:
+    if decode:
         token_index = None if covers_all else _to_device(starts[seqs], device)
         row = col = None
         query_pos = first_pos[:, None]
@@ -195,8 +198,8 @@ def _build_group(
         # Padding queries sit at position 0: they see key 0 only, so no row is all-masked (NaN).
         query_pos = np.zeros((num_seqs, max_query_len), dtype=np.int64)
         query_pos[row_np, col_np] = first_pos[row_np] + col_np
-    if fresh or kernel_decode:
-        mask = positions.new_empty(0)  # unused: causal attention and the kernel need none
+    if fresh:
+        mask = positions.new_empty(0)  # unused: causal attention needs none
     else:
         mask = _additive_mask(
             query_pos, max_blocks * block_size, group, sliding_window, device, dtype
@@ -208,11 +211,9 @@ def _build_group(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         max_blocks=max_blocks,
-        gather_rows=positions.new_empty(0)
-        if kernel_decode
-        else _gather_rows(block_ids, pool, device),
-        block_table=_to_device(block_ids, device) if kernel_decode else None,
-        context_lens=_to_device(context_lens, device) if kernel_decode else None,
+        gather_rows=_gather_rows(block_ids, pool, device),
+        block_table=None,
+        context_lens=None,
         query_starts=None,
         query_lens=None,
         fresh=fresh,
