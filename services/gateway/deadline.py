@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 from services.gateway.errors import RequestTimeout
@@ -22,9 +22,9 @@ T = TypeVar("T")
 
 
 async def until_deadline(
-    stream: AsyncIterator[T], deadline_s: float, timeout_s: float
-) -> AsyncIterator[T]:
-    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+    stream: AsyncGenerator[T, None], deadline_s: float, timeout_s: float
+) -> AsyncGenerator[T, None]:
+    async with contextlib.aclosing(stream):
         while True:
             remaining_s = deadline_s - time.monotonic()
             try:

@@ -183,7 +183,7 @@ class PlanExecutor:
         slo: SLO | None = None,
         priority: Priority = Priority.INTERACTIVE,
         images: tuple[ImageInput, ...] = (),
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta, None]:
         """Yield the request's deltas until one has ``finish_reason``; re-plan on failures."""
         num_image_tokens = sum(image.num_tokens for image in images)
         num_text_tokens = len(prompt_token_ids) - num_image_tokens

@@ -61,12 +61,13 @@ class _ChoiceMetrics:
 
 
 async def _merge(
-    streams: Sequence[AsyncIterator[TokenDelta]],
-) -> AsyncIterator[tuple[int, TokenDelta]]:
+    streams: Sequence[AsyncGenerator[TokenDelta, None]],
+) -> AsyncGenerator[tuple[int, TokenDelta], None]:
     """Items of several streams as they arrive, tagged with the stream's position."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(streams[0]) as stream:  # aborts it, if left early
+            async for item in stream:
+                yield 0, item
         return
     queue: asyncio.Queue[tuple[int, TokenDelta | None, BaseException | None]] = asyncio.Queue()
 
@@ -110,8 +111,9 @@ async def _events(
         )
         for c in gen.choices
     ]
-    async for item in _merge(streams):
-        yield item
+    async with contextlib.aclosing(_merge(streams)) as merged:
+        async for item in merged:
+            yield item
 
 
 def _no_report(num_completion_tokens: int) -> None:

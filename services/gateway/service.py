@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,7 +186,7 @@ class GatewayService:
         slo: SLO | None = None,
         priority: Priority = Priority.INTERACTIVE,
         images: tuple[ImageInput, ...] = (),
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta, None]:
         """Run one request; targets ``slo`` leaves out are ``router.default_slo``'s."""
         stream = self.executor.run(
             request_id,

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from services.cluster.factories import FakeEngineFactory
 from tests.support.server import ServedGateway
 from tests.unit.gateway.conftest import fake_config, fake_service
 
@@ -91,7 +92,10 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_its_request_aborted() ->
     config = fake_config(
         **{"gateway.stream_write_timeout_s": 1.0, "workers.mode": "colocated", "workers.prefill": 1}
     )
-    gateway = ServedGateway(fake_service(config, max_model_len=10**6))
+    # Blocks for every token it may make: an engine that ran out would stall the stream
+    # with its output already buffered, and no write would ever block (or time out).
+    engine = FakeEngineFactory(num_blocks=500_000 // 16 + 8, max_model_len=10**6)
+    gateway = ServedGateway(fake_service(config, engine_factory=engine))
     # Small, fixed socket buffers on both sides (accepted sockets inherit the listening
     # socket's), so an unread stream blocks the server's writes after kilobytes, not MBs.
     gateway._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
