@@ -14,8 +14,10 @@ three scenarios:
 * ``live``: the gateway's path, through ``router.Router``: every worker sends a
   ``WorkerSnapshot`` at 10 Hz (after a decode step: new running objects), interleaved
   with ``--rate`` decisions per second; each timed decision includes the ``update``
-  calls that arrived since the previous one (view maintenance, amortised) and the
-  ``release`` of the request placed 8 decisions earlier (the worker's first event).
+  calls that arrived since the previous one (view maintenance, amortised) and, as the
+  gateway does at its workers' first events, ``release(id, worker)`` on each worker
+  of the request placed 8 decisions earlier (its decode part then stays reserved
+  until that worker's next report counts it).
 
 Prints one JSON line per (policy, workers, scenario) with p50/p99 in µs and the
 ratio of p99 to ``round_robin``'s (the baseline, measured in the same run).
@@ -56,6 +58,7 @@ from router import Router, RouterSettings, available_policies, make_policy  # no
 from router.types import (  # noqa: E402
     ClusterView,
     LengthClass,
+    Plan,
     Priority,
     RequestProfile,
     Role,
@@ -252,17 +255,28 @@ def time_live_round(
             sent += 1
         due.append(batch)
     times_ns = np.empty(len(requests))
+    placed: list[tuple[str, tuple[str, ...]]] = []
     for k, request in enumerate(requests):
         now_s = k / rate
         request = dataclasses.replace(request, arrival_s=now_s)
         start = clock()
         for snap in due[k]:
             router.update(snap)
-        router.place(request, now_s)
-        if k >= ACK_AFTER:
-            router.release(requests[k - ACK_AFTER].request_id)
+        decision = router.place(request, now_s)
+        workers_of = _plan_workers(decision) if isinstance(decision, Plan) else ()
+        placed.append((request.request_id, workers_of))
+        if k >= ACK_AFTER:  # its workers' first events, as the gateway reports them
+            request_id, started_on = placed[k - ACK_AFTER]
+            for worker_id in started_on:
+                router.release(request_id, worker_id)
         times_ns[k] = clock() - start
     return times_ns / 1e3
+
+
+def _plan_workers(plan: Plan) -> tuple[str, ...]:
+    """The workers a plan runs on, in the order their first events come."""
+    decode = plan.decode_worker
+    return (plan.prefill_worker,) if decode is None else (plan.prefill_worker, decode)
 
 
 def main() -> int:

@@ -6,8 +6,10 @@ It owns everything around ``policy.plan`` that used to exist once per caller:
 * the **cluster view**, kept incrementally: ``update(report)`` rebuilds only that
   worker's ``WorkerView`` and the other workers keep their objects, so the policy's
   per-worker caches (``WorkerTable.sync`` compares by identity) recompute one row;
-* the **reservations**: a placed plan is added to its workers' views until
-  ``release(plan)`` (the gateway releases when the worker's telemetry counts it);
+* the **reservations**: a placed plan is added to its workers' views until each
+  worker's telemetry counts it (``router.reservations``: a worker's first event,
+  ``release(id, worker)``, ends what was queued there; what runs there stays until the
+  worker's next report) or the request ends (``release(id)``);
 * the **one length classifier**: queued prompts are classified by its θ, and θ is
   observed once per request (the first ``place`` of a request id), not once per
   re-plan of a held request;
@@ -17,8 +19,8 @@ It owns everything around ``policy.plan`` that used to exist once per caller:
   mean prompt length of the requests placed, each counted once).
 
 Call order, per request: ``place`` (again after each ``Hold``) -> ``release(id,
-worker)`` as each worker's telemetry starts counting it -> ``release(id)`` when it
-ends however it ends; ``observe_transfer`` and ``observe_outcome`` as they happen.
+worker)`` at each worker's first event for it -> ``release(id)`` when it ends however it
+ends; ``observe_transfer`` and ``observe_outcome`` as they happen.
 
 Pure like the rest of ``router``: no Ray, HTTP, torch or clock reads; ``now_s`` is
 passed in. A worker report is anything shaped like ``services.workers.messages.
@@ -81,6 +83,7 @@ class _Worker:
     report: WorkerReport
     digest: frozenset[int]
     view: WorkerView | None = None  # the last one built
+    view_report: WorkerReport | None = None  # the report ``view`` was built from
 
 
 class Router:
@@ -130,6 +133,7 @@ class Router:
             if known.report.prefix_digest != report.prefix_digest:
                 known.digest = frozenset(report.prefix_digest)
             known.report = report
+            self._reservations.counted(wid, report.seq)  # started there: counted now
         self._stale.add(wid)
         self._view = None
 
@@ -233,11 +237,23 @@ class Router:
         return decision
 
     def release(self, request_id: str, worker_id: str | None = None) -> None:
-        """``worker_id``'s telemetry counts the request now: drop its part of the
-        reservation. No ``worker_id``: the request finished, failed or gave up waiting;
-        drop all of it (and, if it was held, its place)."""
+        """``worker_id``'s first event for the request: what it queued there goes, and
+        where it runs there, the rest goes with that worker's next report, which counts
+        it (``router.reservations``). No ``worker_id``: the request finished, failed or
+        gave up waiting; drop all of it (and, if it was held, its place)."""
         if worker_id is None:
             self._observed.discard(request_id)
+            changed = self._reservations.drop(request_id)
+        else:
+            known = self._workers.get(worker_id)
+            seq = None if known is None else known.report.seq
+            changed = self._reservations.start(request_id, worker_id, seq)
+        for wid in changed:
+            self._invalidate(wid)
+
+    def unreserve(self, request_id: str, worker_id: str) -> None:
+        """The request will not run on ``worker_id`` (its plan was abandoned there): its
+        part of the reservation goes now, whatever it was."""
         for wid in self._reservations.drop(request_id, worker_id):
             self._invalidate(wid)
 
@@ -352,6 +368,9 @@ class Router:
             self._view = None
 
     def _worker_view(self, wid: str, w: _Worker) -> WorkerView:
+        last = w.view
+        previous = last.running if last is not None and w.view_report is w.report else None
+        w.view_report = w.report
         return worker_view(
             wid,
             w.report,
@@ -359,6 +378,7 @@ class Router:
             self._published_links.get(wid),
             self.classifier.threshold_tokens,
             self._reservations.on(wid),
+            previous,
         )
 
 

@@ -1,7 +1,14 @@
 """What the router has placed that the workers' telemetry does not count yet.
 
 A plan is reserved on its workers from ``Router.place`` until each worker's telemetry
-counts it (``Router.release(id, worker)``) or the request ends (``release(id)``).
+counts it, or the request ends (``release(id)``). A worker's first event for the request
+(``Router.release(id, worker)``) ends what it queued there at once: a prefill or encode
+worker's part goes, and so do the decode worker's inbound KV and a colocated host's
+queued prompt. What the request runs on (its running row and blocks) stays shown until
+that worker's next report, which counts it (``Reservations.counted``): the report
+before the first event did not, so dropping it then would hide the request for up to a
+report interval.
+
 ``Reservations`` keeps them by request and by worker, oldest first; ``worker_view``
 shows a worker as the policy must see it: its last report plus what is reserved there
 (prompts queued to prefill, running rows and blocks to decode, KV inbound over its link).
@@ -10,6 +17,7 @@ shows a worker as the policy must see it: its last report plus what is reserved 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +50,8 @@ class Reservation:
     # Its row in the decode worker's running set, one object for its lifetime: the
     # policy keeps a request's memory-estimate draws while the same object runs there.
     running: RunningRequest | None = None
+    # Set at the first event of the worker it runs on: that worker's report seq then.
+    started_seq: int | None = None
 
 
 class Reservations:
@@ -51,6 +61,8 @@ class Reservations:
         self._by_id: dict[str, Reservation] = {}
         # worker id -> reserving request ids, oldest first (a dict keeps insertion order)
         self._by_worker: dict[str, dict[str, None]] = {}
+        # worker id -> request ids started there, not yet counted by a report
+        self._started: dict[str, dict[str, None]] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -95,9 +107,42 @@ class Reservations:
             ids = self._by_worker.get(wid)
             if ids is not None:
                 ids.pop(request_id, None)
+            started = self._started.get(wid)
+            if started is not None:
+                started.pop(request_id, None)
         if not r.workers:
             del self._by_id[request_id]
         return dropped
+
+    def start(self, request_id: str, worker_id: str, seq: int | None) -> Sequence[str]:
+        """``worker_id``'s first event for the request, while its last report (``seq``;
+        None: none yet) does not count it: the part it queued there goes; where the
+        request runs on it, its running row and blocks stay until ``counted``. Returns
+        the workers whose view that changes."""
+        r = self._by_id.get(request_id)
+        if r is None or worker_id not in r.workers:
+            return ()
+        plan = r.plan
+        if seq is None or (plan.decode_worker or plan.prefill_worker) != worker_id:
+            return self.drop(request_id, worker_id)
+        if r.started_seq is not None:
+            return ()
+        r.started_seq = seq
+        self._started.setdefault(worker_id, {})[request_id] = None
+        # Its inbound KV has landed, or (colocated) its prompt has left the queue.
+        return (worker_id,)
+
+    def counted(self, worker_id: str, seq: int) -> None:
+        """``worker_id`` reported at ``seq``: the requests started there before that
+        report count in it, so their reservations there go (the report's new view shows
+        them)."""
+        started = self._started.get(worker_id)
+        if not started:
+            return
+        for request_id in list(started):
+            r = self._by_id[request_id]
+            if r.started_seq is not None and r.started_seq < seq:
+                self.drop(request_id, worker_id)
 
     def drop_worker(self, worker_id: str) -> set[str]:
         """A dead worker: every reservation that touches it goes whole; returns the
@@ -105,6 +150,7 @@ class Reservations:
         changed: set[str] = set()
         for request_id in self._by_worker.pop(worker_id, {}):
             changed.update(self.drop(request_id))
+        self._started.pop(worker_id, None)
         return changed
 
     def on(self, worker_id: str) -> list[Reservation]:
@@ -117,8 +163,10 @@ class Reservations:
         first (a colocated plan decodes on its prefill worker)."""
         for r in self.on(worker_id):
             plan = r.plan
-            there = plan.prefill_worker if prefill else plan.decode_worker or plan.prefill_worker
-            if there == worker_id:
+            if prefill:
+                if plan.prefill_worker == worker_id and r.started_seq is None:
+                    yield r
+            elif (plan.decode_worker or plan.prefill_worker) == worker_id:
                 yield r
 
 
@@ -129,10 +177,12 @@ def worker_view(
     link: TransferCoeffs | None,
     theta: float,
     reserved: list[Reservation],
+    previous: tuple[RunningRequest, ...] | None = None,
 ) -> WorkerView:
     """Worker ``wid`` as the policy sees it: report ``s`` with ``reserved`` (its
     reservations, oldest first) added; queued prompts classified by ``theta`` (short
-    iff fewer tokens)."""
+    iff fewer tokens). ``previous``: the running tuple of the last view built from this
+    same report, reused where its rows are the same objects."""
     short_tokens = long_tokens = num_short = num_long = 0
     for n in s.waiting_prompt_lens:
         if n < theta:
@@ -149,7 +199,8 @@ def worker_view(
     if reserved:
         added: list[RunningRequest] = []
         for r in reserved:
-            if r.plan.prefill_worker == wid:
+            started = r.started_seq is not None  # only where it runs: see ``start``
+            if r.plan.prefill_worker == wid and not started:
                 queued_tokens[r.length_class] += r.prefill_tokens
                 queued_requests[r.length_class] += 1
             if r.plan.encode_worker == wid or r.encode_tokens:  # an encode queue: images
@@ -162,10 +213,17 @@ def worker_view(
                 if row is None:
                     row = r.running = RunningRequest(r.held_tokens, 0, r.max_tokens)
                 added.append(row)
-                if r.plan.prefill_worker != wid:  # its KV comes over this worker's link
+                if r.plan.prefill_worker != wid and not started:  # its KV on the way here
                     inbound_tokens += r.held_tokens
         if added:
-            running = (*running, *added)
+            if (
+                previous is not None
+                and len(previous) == len(running) + len(added)
+                and all(map(operator.is_, previous[len(running) :], added))
+            ):
+                running = previous  # the same rows: the policy's caches key on the tuple
+            else:
+                running = (*running, *added)
     return WorkerView(
         worker_id=wid,
         role=s.role,

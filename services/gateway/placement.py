@@ -141,4 +141,4 @@ def unreserve(router: Router, placed_id: str, plan: Plan, keep: str | None = Non
     """Drop the plan's reservations on its workers, but ``keep``'s."""
     for worker_id in {plan.prefill_worker, plan.decode_worker or plan.prefill_worker}:
         if worker_id != keep:
-            router.release(placed_id, worker_id)
+            router.unreserve(placed_id, worker_id)

@@ -201,12 +201,57 @@ def test_each_worker_drops_its_part_of_a_reservation_when_it_counts_the_request(
     r = router()
     plan = r.place(request("a", prompt=500), 0.0)
     assert isinstance(plan, Plan) and not plan.colocated
-    r.release("a", "p")  # the prefill worker's telemetry queues it now
+    r.release("a", "p")  # the prefill worker's first event: off its queue
     p, d = r.view().workers
     assert sum(p.queued_tokens.values()) == 0
     assert d.running == (RunningRequest(500, 0, 100),)  # still on its way to "d"
-    r.release("a", "d")
-    assert r.view().workers[1].running == () and r.num_reservations() == 0
+    assert d.inbound_tokens == 500 and d.num_free_blocks == 1000 - 32
+    r.release("a", "d")  # d's first event: landed, but d's last report predates it
+    d = r.view().workers[1]
+    assert d.running == (RunningRequest(500, 0, 100),) and d.num_free_blocks == 1000 - 32
+    assert d.inbound_tokens == 0 and r.num_reservations() == 1
+    r.release("a", "d")  # the stream's end on d says the same again: nothing changes
+    assert r.view().workers[1] is d
+    r.update(snapshot("d", Role.DECODE, seq=2, running=(RunningRequest(501, 1, 100),)))
+    d = r.view().workers[1]  # the report counts it: the reservation is gone
+    assert d.running == (RunningRequest(501, 1, 100),) and d.num_free_blocks == 1000
+    assert r.num_reservations() == 0
+
+
+def test_an_abandoned_plan_is_unreserved_at_once_where_it_would_have_run() -> None:
+    r = router()
+    plan = r.place(request("a", prompt=500), 0.0)
+    assert isinstance(plan, Plan) and plan.decode_worker == "d"
+    r.unreserve("a", "d")  # it will not run there: no report is waited for
+    assert r.view().workers[1].running == () and r.num_reservations() == 1
+    r.unreserve("a", "p")
+    assert r.num_reservations() == 0
+
+
+def test_a_request_started_on_its_colocated_host_leaves_the_queue_and_stays_running() -> None:
+    r = Router(
+        RouterSettings(profile=PROFILE, default_slo=SLO_DEFAULT, colocate_roles=(Role.MIXED,))
+    )
+    r.update(snapshot("m", Role.MIXED))
+    plan = r.place(request("a", prompt=16), 0.0)
+    assert isinstance(plan, Plan) and plan.colocated
+    r.release("a", "m")  # prefilled: its first token
+    (m,) = r.view().workers
+    assert sum(m.queued_requests.values()) == 0 and len(m.running) == 1
+    assert r.pending_age_s("m", 5.0) == 0.0  # nothing waits for its first event there
+    r.update(snapshot("m", Role.MIXED, seq=1))  # an old report, out of order: ignored
+    r.update(snapshot("m", Role.MIXED, seq=2, free_blocks=998))
+    (m,) = r.view().workers
+    assert m.running == () and r.num_reservations() == 0
+
+
+def test_a_request_started_before_its_workers_first_report_is_dropped_there() -> None:
+    r = router()
+    r.place(request("a", prompt=500), 0.0)
+    r.mark_dead("d")  # gone with its reservations: nothing left to count
+    assert r.num_reservations() == 0
+    plan = r.place(request("b", prompt=500), 0.0)
+    assert isinstance(plan, Reject)  # no decode worker left
 
 
 def test_links_are_priced_from_measured_transfers_and_mixed_workers_by_their_budget() -> None:

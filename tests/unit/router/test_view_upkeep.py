@@ -135,13 +135,14 @@ def _reference_view_fields(r: Router, wid: str) -> tuple[object, ...]:
     num_free_blocks = s.num_free_blocks
     inbound_tokens = 0
     for res in r._reservations.on(wid):
-        if res.plan.prefill_worker == wid:
+        started = res.started_seq is not None  # its first event came where it runs
+        if res.plan.prefill_worker == wid and not started:
             queued_tokens[res.length_class] += res.prefill_tokens
             queued_requests[res.length_class] += 1
         if (res.plan.decode_worker or res.plan.prefill_worker) == wid:
             num_free_blocks -= math.ceil((res.held_tokens + 1) / s.block_size)
             running.append(RunningRequest(res.held_tokens, 0, res.max_tokens))
-            if res.plan.prefill_worker != wid:
+            if res.plan.prefill_worker != wid and not started:
                 inbound_tokens += res.held_tokens
     same = len(running) == len(s.running)
     return (
