@@ -17,7 +17,8 @@ three scenarios:
   calls that arrived since the previous one (view maintenance, amortised) and, as the
   gateway does at its workers' first events, ``release(id, worker)`` on each worker
   of the request placed 8 decisions earlier (its decode part then stays reserved
-  until that worker's next report counts it).
+  until that worker's next report counts it), and the output length of one request
+  that ended (``observe_outcome``: in the steady state one ends per decision).
 
 Prints one JSON line per (policy, workers, scenario) with p50/p99 in µs and the
 ratio of p99 to ``round_robin``'s (the baseline, measured in the same run).
@@ -254,6 +255,9 @@ def time_live_round(
             batch.append(snapshot_of(w, 2 + sent // len(workers)))
             sent += 1
         due.append(batch)
+    # In the steady state a request ends per decision: its output length, drawn as the
+    # view's history was, reaches the router's estimator history (``observe_outcome``).
+    output_lens = np.random.default_rng(2).lognormal(5.0, 1.0, len(requests)).astype(int)
     times_ns = np.empty(len(requests))
     placed: list[tuple[str, tuple[str, ...]]] = []
     for k, request in enumerate(requests):
@@ -262,6 +266,7 @@ def time_live_round(
         start = clock()
         for snap in due[k]:
             router.update(snap)
+        router.observe_outcome(int(output_lens[k]))
         decision = router.place(request, now_s)
         workers_of = _plan_workers(decision) if isinstance(decision, Plan) else ()
         placed.append((request.request_id, workers_of))

@@ -41,8 +41,7 @@ class RunningEntry:
     running: tuple[RunningRequest, ...]
     rows: np.ndarray  # (c, g, M) per running request
     held_total: float
-    table: PeakTable | None = None  # drawn against ``history``
-    history: np.ndarray | None = None
+    table: PeakTable | None = None
     remaining: np.ndarray | None = None  # the (S, n) draws behind ``table``, a column each
 
 
@@ -71,22 +70,22 @@ def extended_entry(
 def derived_entry(
     entries: Sequence[RunningEntry],
     running: tuple[RunningRequest, ...],
-    history: np.ndarray,
     history_floats: Callable[[], list[float]],
     rng: np.random.Generator,
     num_draws: int,
 ) -> RunningEntry | None:
-    """``running`` as a cached set drawn against ``history`` with one request appended
-    (a reservation placed) or one left out (one released), with its table; or None.
+    """``running`` as a cached set with a table, with one request appended (a
+    reservation placed) or one left out (one released), with its table; or None.
 
     The requests it shares with the cached set keep their rows and their draws; an
-    appended one is drawn now (``num_draws`` numbers of ``rng``). Each column is then an
-    independent draw of its own request's remaining length against ``history``, as in
-    a table drawn anew, so the estimate has the distribution it had
+    appended one is drawn now (``num_draws`` numbers of ``rng``) against today's H
+    (``history_floats``: sorted H as floats). Each column is then an independent draw
+    of its own request's remaining length against the H of its time, as in a table
+    drawn anew, so the estimate has the distribution it had
     (``tests/unit/router/test_derived_tables.py``); the table is ``PeakTable`` of those
     draws. Tokens are integers: the held total is exact in any order."""
     for base in entries:
-        if base.table is None or base.history is not history or base.remaining is None:
+        if base.table is None or base.remaining is None:
             continue
         old = base.running
         n = len(old)
@@ -116,7 +115,7 @@ def derived_entry(
         else:
             continue
         entry = RunningEntry(running, rows, held_total, remaining=remaining)
-        entry.table, entry.history = PeakTable(remaining, rows[:, 0]), history
+        entry.table = PeakTable(remaining, rows[:, 0])
         return entry
     return None
 

@@ -11,8 +11,11 @@ changed. A request then costs a few vectorised numpy operations over the rows.
 ``SloGoodput.refresh(view)`` runs the sync when telemetry arrives, off the
 request path.
 
-The output-length history used for new rows is whatever was current when the
-row was built; every worker reports at least every 100 ms, so rows follow it.
+The output-length history H a request's draws are made against is the one current
+when it was drawn: a running set's table is kept while the set is (a new H redraws
+nothing), and a set derived from it by a reservation keeps the shared requests'
+draws and draws the new one against today's H. A report's new set is drawn afresh,
+and every worker reports at least every 100 ms, so the rows follow H.
 """
 
 from __future__ import annotations
@@ -289,7 +292,6 @@ class WorkerTable:
         return derived_entry(
             entries,
             running,
-            self.sorted_history,
             self._history_floats,
             self._rng,
             self.settings.num_draws,
@@ -313,7 +315,7 @@ class WorkerTable:
         for w in workers:
             if w.role is Role.DECODE or w.role in colocate:
                 entry = self._running_entry(w)
-                if entry.table is None or entry.history is not history:
+                if entry.table is None:
                     due.append(entry)
         if len(due) < 2:
             return  # ``_peak_table`` draws it, if any
@@ -330,18 +332,18 @@ class WorkerTable:
         column = 0
         for entry, n in zip(due, sizes, strict=True):
             remaining = r[:, column : column + n]
-            entry.table, entry.history = PeakTable(remaining, entry.rows[:, 0]), history
+            entry.table = PeakTable(remaining, entry.rows[:, 0])
             entry.remaining = remaining
             column += n
 
     def _peak_table(self, entry: RunningEntry) -> PeakTable:
-        """Reused while H has not changed."""
-        if entry.table is not None and entry.history is self.sorted_history:
+        """Drawn once per running set, against H as it is then (see the module)."""
+        if entry.table is not None:
             return entry.table
         rows = entry.rows
         u = self._rng.random((self.settings.num_draws, len(rows)))
         r = remaining_tokens(self.sorted_history, rows[:, 1], rows[:, 2], u)
-        entry.table, entry.history = PeakTable(r, rows[:, 0]), self.sorted_history
+        entry.table = PeakTable(r, rows[:, 0])
         entry.remaining = r
         return entry.table
 
