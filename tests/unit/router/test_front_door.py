@@ -181,13 +181,19 @@ def test_a_decode_link_with_a_tpot_of_kv_queued_on_it_gives_way_to_a_free_one() 
     assert decode_of("e") == "d_free"
 
 
-def test_a_colocated_reservation_lands_once_on_its_host() -> None:
+def _placed_on_one_mixed_host() -> Router:
+    """A router over one mixed worker ``m`` with request ``a`` (16 tokens) placed there."""
     r = Router(
         RouterSettings(profile=PROFILE, default_slo=SLO_DEFAULT, colocate_roles=(Role.MIXED,))
     )
     r.update(snapshot("m", Role.MIXED))
     plan = r.place(request("a", prompt=16), 0.0)
     assert isinstance(plan, Plan) and plan.colocated
+    return r
+
+
+def test_a_colocated_reservation_lands_once_on_its_host() -> None:
+    r = _placed_on_one_mixed_host()
     (m,) = r.view().workers
     assert len(m.running) == 1 and sum(m.queued_requests.values()) == 1
     assert m.num_free_blocks == 1000 - 2  # ceil(17 / 16), taken once
@@ -229,12 +235,7 @@ def test_an_abandoned_plan_is_unreserved_at_once_where_it_would_have_run() -> No
 
 
 def test_a_request_started_on_its_colocated_host_leaves_the_queue_and_stays_running() -> None:
-    r = Router(
-        RouterSettings(profile=PROFILE, default_slo=SLO_DEFAULT, colocate_roles=(Role.MIXED,))
-    )
-    r.update(snapshot("m", Role.MIXED))
-    plan = r.place(request("a", prompt=16), 0.0)
-    assert isinstance(plan, Plan) and plan.colocated
+    r = _placed_on_one_mixed_host()
     r.release("a", "m")  # prefilled: its first token
     (m,) = r.view().workers
     assert sum(m.queued_requests.values()) == 0 and len(m.running) == 1
