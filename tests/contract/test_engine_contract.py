@@ -32,6 +32,7 @@ from services.engine.messages import (
     RequestOutput,
     SamplingParams,
 )
+from tests.unit.engine.llava_twin import png_bytes, random_image
 
 BACKENDS_UNDER_TEST = [
     "embedded",
@@ -151,13 +152,16 @@ def test_bad_input_raises_and_others_continue(build: Build) -> None:
 
 @pytest.mark.ray
 @pytest.mark.vllm
-def test_vllm_refuses_images_and_keeps_serving(vllm_engines: list) -> None:
-    """vLLM's LLaVA path cannot load on its CPU build (README, "vLLM." under images):
-    an image request is refused, not served with its images silently dropped."""
+def test_vllm_text_model_refuses_images_and_keeps_serving(vllm_engines: list) -> None:
+    """Images to a text-only model under vLLM (which takes images for LLaVA checkpoints:
+    tests/e2e/test_vllm_images.py): refused, never served with the images dropped, and
+    the engine serves on; so is a file that does not decode."""
     engine = vllm_engines[0]
-    image = ImageInput("ab" * 32, offset=1, num_tokens=2, data=b"\x89PNG\r\n\x1a\n")
-    with pytest.raises(InvalidRequestError, match="does not take images"):
-        engine.add_request(EngineRequest("img", (5, 9, 9, 6), greedy(3), images=(image,)))
+    png = png_bytes(random_image(1, 8, 8))
+    for data in (png, b"\x89PNG\r\n\x1a\n"):
+        image = ImageInput("ab" * 32, offset=1, num_tokens=2, data=data)
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(EngineRequest("img", (5, 9, 9, 6), greedy(3), images=(image,)))
     engine.add_request(EngineRequest("ok", (5, 6, 7), greedy(3)))
     outs = run(engine)
     assert set(outs) == {"ok"} and len(tokens(outs["ok"])) == 3

@@ -44,6 +44,112 @@ def build_vllm_checkpoint(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+# Word-level chat template that renders image parts as ``<image>`` (the gateway's
+# ``chat_messages(keep_images=True)`` shape).
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> "
+    "{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image> "
+    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}</s> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+LLAVA_IMAGE_TOKEN_ID = 95
+
+
+def build_vllm_llava_checkpoint(folder: Path, seed: int = 0) -> Any:
+    """A random-weight LLaVA (CLIP tower, projector, Llama with head_dim 64 for vLLM's
+    CPU attention) with its processor (PIL image processor: resize the shortest edge to
+    40, crop 32x32) and a word tokenizer holding ``<image>``, saved in the layout of the
+    published ``llava-hf`` checkpoints (``vision_tower.vision_model.*``, which vLLM
+    reads; transformers 5 writes ``vision_tower.*``). Returns the in-memory
+    ``LlavaForConditionalGeneration`` and processor, the oracle."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from tests.unit.engine.conftest import WORDS, _scramble
+
+    vocab = LLAVA_IMAGE_TOKEN_ID + 1
+    text = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=LLAVA_IMAGE_TOKEN_ID,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    _scramble(model, seed)
+    model = model.float().eval()
+    model.save_pretrained(str(folder))
+    weights = folder / "model.safetensors"
+    tensors = {
+        f"vision_tower.vision_model.{k.removeprefix('vision_tower.')}"
+        if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.")
+        else k: v
+        for k, v in load_file(str(weights)).items()
+    }
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+    words = ["<unk>", "<s>", "</s>", *WORDS]
+    words += [f"w{i}" for i in range(vocab - 1 - len(words))] + ["<image>"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return model, processor
+
+
 def _engine_host() -> Any:
     import ray
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtransfer.types import KVLayout
+from services.backends.vllm.images import vllm_image_prompt
 from services.backends.vllm.params import remote_decode_params, sampling_params, token_logprobs
 from services.engine.messages import (
     EngineError,
@@ -138,10 +139,6 @@ class VllmEngine:
         """Queue ``request``; with ``request.remote_kv`` (a prefill worker's handle
         payload) it continues a request whose prompt KV vLLM's connector pulls."""
         request.sampling.validate()
-        if request.images:
-            # vLLM's LLaVA path needs torchvision, which its CPU build cannot import
-            # (README, "vLLM." under images): refuse rather than drop the images.
-            raise InvalidRequestError("the vllm backend does not take images", "messages")
         remote_kv = request.remote_kv
         prior = request.output_token_ids
         if remote_kv is not None and not prior:
@@ -175,10 +172,18 @@ class VllmEngine:
             params.extra_args = {"kv_transfer_params": remote_decode_params()}
         elif remote_kv is not None:
             params.extra_args = {"kv_transfer_params": dict(remote_kv)}
+        prompt: dict[str, Any] = {"prompt_token_ids": tokens}
+        if request.images:
+            # vLLM encodes them (this worker prefills) and expands the placeholders; a
+            # continuation carries them too, so its prefix-cache hashes cover the images
+            # and a failed pull that recomputes the prompt encodes them again.
+            folded, pil_images = vllm_image_prompt(request.prompt_token_ids, request.images)
+            prompt = {
+                "prompt_token_ids": [*folded, *known],
+                "multi_modal_data": {"image": pil_images},
+            }
         try:
-            internal_id = self._llm.add_request(
-                request.request_id, {"prompt_token_ids": tokens}, params
-            )
+            internal_id = self._llm.add_request(request.request_id, prompt, params)
         except ValueError as e:  # vLLM's own validation
             raise InvalidRequestError(str(e)) from e
         self._tracked[request.request_id] = _Tracked(

@@ -19,6 +19,7 @@ import torch
 from kvtransfer.net import advertised_host, free_port
 from services.backends.protocol import AdmissionPolicy
 from services.backends.vllm.engine import VllmEngine
+from services.backends.vllm.images import allow_llava_without_torchvision
 from services.backends.vllm.options import check_vllm_options
 from services.config import EngineConfig, ModelConfig
 from services.engine.messages import ModelLoadError
@@ -50,6 +51,8 @@ def make_vllm_engine(
     check_vllm_options(options)
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
+
+    allow_llava_without_torchvision()
 
     on_cpu = engine_cfg.device == "cpu" or (
         engine_cfg.device == "auto" and not torch.cuda.is_available()
