@@ -268,7 +268,7 @@ def time_live_round(
             router.update(snap)
         router.observe_outcome(int(output_lens[k]))
         decision = router.place(request, now_s)
-        workers_of = _plan_workers(decision) if isinstance(decision, Plan) else ()
+        workers_of = decision.text_workers if isinstance(decision, Plan) else ()
         placed.append((request.request_id, workers_of))
         if k >= ACK_AFTER:  # its workers' first events, as the gateway reports them
             request_id, started_on = placed[k - ACK_AFTER]
@@ -276,12 +276,6 @@ def time_live_round(
                 router.release(request_id, worker_id)
         times_ns[k] = clock() - start
     return times_ns / 1e3
-
-
-def _plan_workers(plan: Plan) -> tuple[str, ...]:
-    """The workers a plan runs on, in the order their first events come."""
-    decode = plan.decode_worker
-    return (plan.prefill_worker,) if decode is None else (plan.prefill_worker, decode)
 
 
 def main() -> int:

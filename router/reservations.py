@@ -79,7 +79,7 @@ class Reservations:
         rid = profile.request_id
         dropped = self.drop(rid)
         tokens = effective_prefill_tokens(profile)
-        touched = _touched(plan)
+        touched = plan.workers
         self._by_id[rid] = Reservation(
             plan,
             set(touched),
@@ -256,11 +256,3 @@ def _encode_tokens(plan: Plan, profile: RequestProfile) -> dict[str, int] | None
     for wid, start, stop in plan.encode_parts:
         shares[wid] = shares.get(wid, 0) + round((stop - start) * per_image)
     return shares
-
-
-def _touched(plan: Plan) -> tuple[str, ...]:
-    decode = plan.decode_worker or plan.prefill_worker
-    touched = (
-        (plan.prefill_worker,) if decode == plan.prefill_worker else (plan.prefill_worker, decode)
-    )
-    return (*touched, *plan.encode_workers)

@@ -134,6 +134,20 @@ class Plan:
             return tuple(dict.fromkeys(w for w, _, _ in self.encode_parts))
         return () if self.encode_worker is None else (self.encode_worker,)
 
+    @property
+    def text_workers(self) -> tuple[str, ...]:
+        """The prefill worker, then the decode worker if it is another, in the order
+        their first events come."""
+        decode = self.decode_worker
+        if decode is None or decode == self.prefill_worker:
+            return (self.prefill_worker,)
+        return (self.prefill_worker, decode)
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """Every worker the plan runs on: ``text_workers``, then ``encode_workers``."""
+        return (*self.text_workers, *self.encode_workers)
+
     def encode_split(self, num_images: int) -> tuple[tuple[str, int, int], ...]:
         """The parts as (worker, first image, end image) for ``num_images`` images."""
         if self.encode_parts:

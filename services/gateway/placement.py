@@ -139,6 +139,6 @@ class Placer:
 
 def unreserve(router: Router, placed_id: str, plan: Plan, keep: str | None = None) -> None:
     """Drop the plan's reservations on its workers, but ``keep``'s."""
-    for worker_id in {plan.prefill_worker, plan.decode_worker or plan.prefill_worker}:
+    for worker_id in plan.text_workers:
         if worker_id != keep:
             router.unreserve(placed_id, worker_id)
