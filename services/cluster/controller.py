@@ -166,10 +166,12 @@ class Controller:
         """Someone saw the worker die (a stream raised WorkerDiedError)."""
         self._down(worker_id, "reported dead")
 
-    async def set_role(self, worker_id: str, role: Role) -> None:
+    async def set_role(self, worker_id: str, role: Role) -> Role:
+        """The worker's role after: ``role``, or its own if it keeps it (``fixed_role``)."""
         entry = self._entries[worker_id]
-        await entry.client.set_role(role)
-        entry.spec = replace(entry.spec, role=role)
+        now = await entry.client.set_role(role)
+        entry.spec = replace(entry.spec, role=now)
+        return now
 
     # -- internals ------------------------------------------------------------------------
     def _start_worker(self, spec: WorkerSpec) -> None:

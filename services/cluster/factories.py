@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtransfer.connector import KVConnector
 from services.backends.protocol import Engine
 from services.config import ClusterConfig, EngineConfig, KVTransferConfig, ModelConfig
 
-__all__ = ["ConnectorFactory", "EngineFactory", "FakeEngineFactory", "factories_for"]
+__all__ = [
+    "ConnectorFactory",
+    "EngineFactory",
+    "FakeEngineFactory",
+    "encode_engine_factory",
+    "factories_for",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +75,10 @@ class ConnectorFactory:
 def factories_for(config: ClusterConfig) -> tuple[EngineFactory, ConnectorFactory | None]:
     """The engine and KV-connector recipes for ``config``'s workers.
 
-    A backend that moves its own KV (vLLM) gets no kvtransfer connector; in
-    disaggregated mode its engine is told the lease on held prefill blocks instead.
+    A backend that moves its own KV (vLLM) gets a kvtransfer connector only to pull
+    encode workers' image embeddings (region ``mm``), when the config has encode
+    workers; in disaggregated mode its engine is told the lease on held prefill blocks.
+    Its encode workers run Baton's own engine (``encode_engine_factory``).
     """
     from services.backends import MOVES_OWN_KV  # type: ignore[attr-defined]
 
@@ -77,5 +86,19 @@ def factories_for(config: ClusterConfig) -> tuple[EngineFactory, ConnectorFactor
     if engine.backend in MOVES_OWN_KV:
         disaggregated = config.workers.mode == "disaggregated"
         lease_s = config.kvtransfer.lease_s if disaggregated else None
-        return EngineFactory(engine.backend, config.model, engine, kv_lease_s=lease_s), None
+        pulls_images = disaggregated and config.workers.encode > 0
+        connector = ConnectorFactory(config.kvtransfer) if pulls_images else None
+        return EngineFactory(engine.backend, config.model, engine, kv_lease_s=lease_s), connector
     return EngineFactory(engine.backend, config.model, engine), ConnectorFactory(config.kvtransfer)
+
+
+def encode_engine_factory(factory: Callable[[], Engine]) -> Callable[[], Engine]:
+    """What an encode worker runs beside text workers built by ``factory``: the same,
+    except for a backend that moves its own KV (vLLM), which has no step that only
+    encodes: there Baton's own engine loads the same checkpoint and its vision tower
+    encodes (the text workers take the embeddings as precomputed image embeddings)."""
+    from services.backends import MOVES_OWN_KV  # type: ignore[attr-defined]
+
+    if isinstance(factory, EngineFactory) and factory.backend in MOVES_OWN_KV:
+        return EngineFactory("embedded", factory.model, factory.engine)
+    return factory

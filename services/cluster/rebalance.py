@@ -70,6 +70,9 @@ class Rebalancer:
             pressure.prefill,
             pressure.decode,
         )
-        await self._controller.set_role(flip.worker_id, flip.target)
+        now = await self._controller.set_role(flip.worker_id, flip.target)
+        if now is not flip.target:
+            log.info("%s keeps its role (%s)", flip.worker_id, now)
+            return None
         self._metrics.role_changes.labels(flip.source.value, flip.target.value).inc()
         return flip.worker_id, flip.target

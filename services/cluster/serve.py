@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="port to bind (default 8000)")
     parser.add_argument("--prefill", type=int, help="number of prefill workers")
     parser.add_argument("--decode", type=int, help="number of decode workers")
+    parser.add_argument("--encode", type=int, help="number of encode workers (images)")
     parser.add_argument("--mode", choices=["disaggregated", "colocated"])
     parser.add_argument("--backend", choices=["embedded", "vllm"], help="engine backend")
     parser.add_argument("--kv-backend", choices=["nixl", "torch", "local"])
@@ -84,6 +85,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
             "gateway.reasoning_parser": args.reasoning_parser,
             "workers.prefill": args.prefill,
             "workers.decode": args.decode,
+            "workers.encode": getattr(args, "encode", None),
             "workers.mode": args.mode,
             "engine.backend": getattr(args, "backend", None),
             "workers.num_cpus": args.worker_cpus,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kvtransfer.connector import KVConnector
 from router.types import Role
 from services.backends.protocol import Engine
+from services.cluster.factories import encode_engine_factory
 from services.cluster.resources import gpus_per_worker
 from services.config import ClusterConfig
 from services.workers.worker import WorkerSpec
@@ -40,8 +41,8 @@ def worker_specs(
     else:
         num_encode = w.encode
         if num_encode and connector_factory is None:
-            # vLLM moves its own KV and takes no kvtransfer region: its prefilling
-            # workers encode their own images (README, "Images").
+            # No kvtransfer connector to hand embeddings over: the prefilling workers
+            # encode their own images (README, "Images").
             log.warning(
                 "workers.encode=%d ignored: this backend encodes on its prefill workers", num_encode
             )
@@ -52,12 +53,15 @@ def worker_specs(
             (Role.DECODE, w.decode),
             (Role.MIXED, w.mixed),
         ]
+    encoder = encode_engine_factory(engine_factory)
     return [
         WorkerSpec(
             worker_id=f"{role.value}-{i}",
             role=role,
-            engine_factory=engine_factory,
+            engine_factory=encoder if role is Role.ENCODE else engine_factory,
             connector_factory=connector_factory,
+            # An encoder on another engine than the text workers' can serve no text role.
+            fixed_role=role is Role.ENCODE and encoder is not engine_factory,
             telemetry_interval_s=w.telemetry_interval_s,
             max_num_seqs=config.engine.max_num_seqs,
             num_gpus=gpus_per_worker(config, role, cluster_has_gpus=cluster_has_gpus),

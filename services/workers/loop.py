@@ -139,7 +139,7 @@ class EngineLoop:
         self._last_publish_s = 0.0
         self._dirty = True
         self._dirty_since_s = 0.0
-        if connector is not None:
+        if connector is not None and not self._moves_own_kv:
             connector.register(KV_REGION, engine.kv_storage, engine.kv_layout)
         # The encode role's embeddings (region "mm"): held here as an encode worker,
         # pulled here as a prefill worker (services/workers/images.py).

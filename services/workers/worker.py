@@ -71,12 +71,16 @@ class WorkerSpec:
     # An engine loop whose heartbeat is older than this (stuck in a step, or dead) fails
     # the controller's pings, and the controller replaces the worker.
     stall_timeout_s: float = 60.0
+    # The worker keeps its role: ``set_role`` changes nothing (an encode worker running
+    # another engine than the text workers', as beside vLLM).
+    fixed_role: bool = False
 
 
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.worker_id = spec.worker_id
         self._role = spec.role
+        self._fixed_role = spec.fixed_role
         self._draining = False
         self._stall_timeout_s = spec.stall_timeout_s
         engine = spec.engine_factory()
@@ -255,7 +259,10 @@ class Worker:
         return self._role
 
     async def set_role(self, role: Role, drain_timeout_s: float = 30.0) -> Role:
-        """Drain (stop taking work, let in-flight requests finish), then switch role."""
+        """Drain (stop taking work, let in-flight requests finish), then switch role;
+        the role it has after (a fixed-role worker keeps its own, undrained)."""
+        if self._fixed_role:
+            return self._role
         self._draining = True
         self._loop.mark_dirty()
         deadline = time.monotonic() + drain_timeout_s

@@ -15,6 +15,7 @@ import base64
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -130,8 +131,9 @@ async def _chat_all(base_url: str) -> list[str]:
     [
         ("--mode", "colocated", "--prefill", "1", "--decode", "0"),
         ("--prefill", "1", "--decode", "1"),
+        ("--encode", "1", "--prefill", "1", "--decode", "1"),
     ],
-    ids=["colocated", "prefill_decode_over_nixl"],
+    ids=["colocated", "prefill_decode_over_nixl", "encode_prefill_decode"],
 )
 def test_image_chats_equal_transformers_generate(
     checkpoint: tuple[Path, list[str]], tmp_path: Path, layout: tuple[str, ...]
@@ -139,5 +141,24 @@ def test_image_chats_equal_transformers_generate(
     folder, expected = checkpoint
     with baton_serve(_serve_args(folder, tmp_path, *layout), serve_env(), ready_s=240) as base:
         served = asyncio.run(_chat_all(base))
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
     # Word-level tokens: the words, in order, are the tokens (specials are not shown).
     assert [t.split() for t in served] == [t.split() for t in expected]
+    images = {
+        source: _gauge(metrics, "baton_worker_images", worker="encode-0", source=source)
+        for source in ("encoded", "cached")
+    }
+    if "--encode" in layout:  # 7 images sent, 6 distinct: case 5 repeats case 0's
+        assert images == {"encoded": 6, "cached": 1}
+    else:  # vLLM encoded them on the prefilling worker
+        assert images == {"encoded": None, "cached": None}
+
+
+def _gauge(metrics: str, name: str, **labels: str) -> float | None:
+    wanted = {f'{k}="{v}"' for k, v in labels.items()}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{"):
+            series, value = line.rsplit(" ", 1)
+            if wanted <= set(series[len(name) + 1 : -1].split(",")):
+                return float(value)
+    return None

@@ -88,8 +88,13 @@ class VllmEngine:
     # Tokens only, as every engine: the gateway detokenizes and checks stop strings
     # (one owner for text), so vLLM is asked for no text and no stop-string matching.
 
-    def __init__(self, llm: Any, name: str) -> None:
+    def __init__(
+        self, llm: Any, name: str, image_embedding_shape: tuple[int, int] | None = None
+    ) -> None:
         self._llm = llm
+        # LLaVA: (tokens per image, hidden); the worker lands encode workers' embeddings
+        # in a pool of this shape and vLLM takes them as precomputed image embeddings.
+        self.image_embedding_shape = image_embedding_shape
         model_config = llm.vllm_config.model_config
         cache = llm.vllm_config.cache_config
         tokenizer = llm.get_tokenizer()
@@ -177,11 +182,8 @@ class VllmEngine:
             # vLLM encodes them (this worker prefills) and expands the placeholders; a
             # continuation carries them too, so its prefix-cache hashes cover the images
             # and a failed pull that recomputes the prompt encodes them again.
-            folded, pil_images = vllm_image_prompt(request.prompt_token_ids, request.images)
-            prompt = {
-                "prompt_token_ids": [*folded, *known],
-                "multi_modal_data": {"image": pil_images},
-            }
+            folded, images = vllm_image_prompt(request.prompt_token_ids, request.images)
+            prompt = {"prompt_token_ids": [*folded, *known], "multi_modal_data": {"image": images}}
         try:
             internal_id = self._llm.add_request(request.request_id, prompt, params)
         except ValueError as e:  # vLLM's own validation

@@ -50,18 +50,26 @@ def allow_llava_without_torchvision() -> bool:
     return True
 
 
-def vllm_image_prompt(
-    prompt: Sequence[int], images: Sequence[ImageInput]
-) -> tuple[list[int], list[Any]]:
-    """``prompt`` with each image's placeholder run folded to its first token, and the
-    images decoded, in prompt order. InvalidRequestError if an image has no data or its
-    run is not where it says."""
-    from PIL import Image
+def vllm_image_prompt(prompt: Sequence[int], images: Sequence[ImageInput]) -> tuple[list[int], Any]:
+    """``prompt`` with each image's placeholder run folded to its first token, and what
+    vLLM takes for the images, in prompt order: their embeddings stacked
+    ``[N, tokens, hidden]`` where every image carries them (pulled from encode workers),
+    else the files decoded. InvalidRequestError if an image has neither, or its run is
+    not where it says."""
+    ordered = sorted(images, key=lambda i: i.offset)
+    tokens = _folded(prompt, ordered)
+    embeddings = [image.embeddings for image in ordered]
+    if ordered and all(e is not None for e in embeddings):
+        import torch
 
+        return tokens, torch.stack([e for e in embeddings if e is not None])
+    return tokens, [_decoded(image) for image in ordered]
+
+
+def _folded(prompt: Sequence[int], ordered: Sequence[ImageInput]) -> list[int]:
     tokens: list[int] = []
-    decoded = []
     start = 0
-    for image in sorted(images, key=lambda i: i.offset):
+    for image in ordered:
         end = image.offset + image.num_tokens
         run = prompt[image.offset : end]
         if (
@@ -75,18 +83,25 @@ def vllm_image_prompt(
                 "placeholder tokens are not there",
                 "messages",
             )
-        if image.data is None:
-            raise InvalidRequestError("the vllm backend encodes images from their data", "messages")
         tokens.extend(prompt[start : image.offset])
         tokens.append(prompt[image.offset])
         start = end
-        try:  # the gateway checked the files; this guards a request made elsewhere
-            with Image.open(io.BytesIO(image.data)) as file:
-                file.load()
-                decoded.append(file.copy())
-        except (OSError, ValueError) as e:
-            raise InvalidRequestError(
-                f"image at prompt position {image.offset} does not decode: {e}", "messages"
-            ) from e
     tokens.extend(prompt[start:])
-    return tokens, decoded
+    return tokens
+
+
+def _decoded(image: ImageInput) -> Any:
+    from PIL import Image
+
+    if image.data is None:
+        raise InvalidRequestError(
+            f"image at prompt position {image.offset} has neither data nor embeddings", "messages"
+        )
+    try:  # the gateway checked the files; this guards a request made elsewhere
+        with Image.open(io.BytesIO(image.data)) as file:
+            file.load()
+            return file.copy()
+    except (OSError, ValueError) as e:
+        raise InvalidRequestError(
+            f"image at prompt position {image.offset} does not decode: {e}", "messages"
+        ) from e

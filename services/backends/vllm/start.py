@@ -23,6 +23,7 @@ from services.backends.vllm.images import allow_llava_without_torchvision
 from services.backends.vllm.options import check_vllm_options
 from services.config import EngineConfig, ModelConfig
 from services.engine.messages import ModelLoadError
+from services.engine.placeholders import read_image_prompt_spec
 
 __all__ = ["make_vllm_engine"]
 
@@ -66,6 +67,9 @@ def make_vllm_engine(
     }  # block size: vLLM's default for the platform (CPU attention needs a multiple of 32)
     if on_cpu:
         args["kv_cache_memory_bytes"] = engine_cfg.kv_cache_bytes
+    image_spec = read_image_prompt_spec(model_cfg.name)
+    if image_spec is not None:  # LLaVA: take encode workers' embeddings as they are
+        args["enable_mm_embeds"] = True
     args.update(options)
     if kv_lease_s is not None:
         from vllm.config import KVTransferConfig
@@ -87,4 +91,8 @@ def make_vllm_engine(
         llm = LLMEngine.from_engine_args(engine_args)
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"vLLM could not start on {model_cfg.name!r}: {e}") from e
-    return VllmEngine(llm, name)
+    shape = None
+    if image_spec is not None:
+        hidden = int(llm.vllm_config.model_config.get_hidden_size())
+        shape = (image_spec.num_image_tokens, hidden)
+    return VllmEngine(llm, name, image_embedding_shape=shape)

@@ -4,6 +4,7 @@ one image token each (vLLM expands them itself), images decoded in prompt order.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.backends.vllm.images import vllm_image_prompt
 from services.engine.messages import ImageInput, InvalidRequestError
@@ -42,3 +43,13 @@ def test_text_only_prompt_is_unchanged() -> None:
 def test_misplaced_or_dataless_images_are_invalid_requests(images: list[ImageInput]) -> None:
     with pytest.raises(InvalidRequestError):
         vllm_image_prompt([5, IMG, IMG, IMG, 6], images)
+
+
+def test_pulled_embeddings_go_to_vllm_stacked_in_prompt_order() -> None:
+    """Images pulled from encode workers carry embeddings and no data: vLLM gets them
+    as precomputed image embeddings, [N, tokens, hidden]."""
+    first, second = torch.full((3, 4), 1.0), torch.full((3, 4), 2.0)
+    images = [ImageInput("b", 5, 3, embeddings=second), ImageInput("a", 1, 3, embeddings=first)]
+    tokens, embeds = vllm_image_prompt([5, IMG, IMG, IMG, 6, IMG, IMG, IMG], images)
+    assert tokens == [5, IMG, 6, IMG]
+    assert torch.equal(embeds, torch.stack([first, second]))

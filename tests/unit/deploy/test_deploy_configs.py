@@ -63,7 +63,7 @@ def test_epd_starts_encode_workers_that_hand_embeddings_over_kvtransfer() -> Non
     assert all(s.connector_factory is not None for s in encoders)  # region "mm" needs one
 
 
-def test_encode_workers_are_not_started_for_a_backend_that_moves_its_own_kv() -> None:
+def test_epd_config_with_vllm_starts_encode_workers_on_baton_s_engine() -> None:
     from router.types import Role
     from services.cluster.factories import factories_for
     from services.cluster.specs import worker_specs
@@ -71,8 +71,12 @@ def test_encode_workers_are_not_started_for_a_backend_that_moves_its_own_kv() ->
     config = load_config(REPO / "deploy" / "configs" / "epd.yaml").with_overrides(
         {"engine.backend": "vllm"}
     )
-    roles = [s.role for s in worker_specs(config, *factories_for(config))]
-    assert Role.ENCODE not in roles and roles.count(Role.PREFILL) == config.workers.prefill
+    specs = worker_specs(config, *factories_for(config))
+    encoders = [s for s in specs if s.role is Role.ENCODE]
+    assert len(encoders) == config.workers.encode > 0
+    assert all(s.engine_factory.backend == "embedded" for s in encoders)  # type: ignore[attr-defined]
+    text = [s for s in specs if s.role is not Role.ENCODE]
+    assert {s.engine_factory.backend for s in text} == {"vllm"}  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -72,3 +72,29 @@ def test_backend_flag_selects_the_engine_and_vllm_workers_get_no_kvtransfer_conn
     assert factories_for(colocated)[0].kv_lease_s is None
     embedded_engine, embedded_connector = factories_for(build_config(parse(), environ={}))
     assert embedded_connector is not None and embedded_engine.kv_lease_s is None
+
+
+def test_vllm_with_encode_workers_pulls_embeddings_and_encodes_on_baton_s_engine() -> None:
+    """``--backend vllm --encode 1``: every worker gets a kvtransfer connector (for the
+    ``mm`` region only; vLLM's KV moves through its own connector), the encode worker
+    runs the embedded engine on the same checkpoint and keeps its role; the text
+    workers run vLLM."""
+    from services.cluster.factories import EngineFactory, factories_for
+
+    args = parse("--backend", "vllm", "--model", "/models/x", "--encode", "1", "--prefill", "1")
+    config = build_config(args, environ={})
+    assert config.workers.encode == 1
+    specs = {s.worker_id: s for s in worker_specs(config, *factories_for(config))}
+    assert set(specs) == {"encode-0", "prefill-0", "decode-0"}
+    for spec in specs.values():
+        assert spec.connector_factory is not None
+        assert isinstance(spec.engine_factory, EngineFactory)
+        assert spec.engine_factory.model.name == "/models/x"
+    assert specs["encode-0"].engine_factory.backend == "embedded"
+    assert specs["encode-0"].fixed_role
+    assert {specs[w].engine_factory.backend for w in ("prefill-0", "decode-0")} == {"vllm"}
+    assert not specs["prefill-0"].fixed_role
+    # Colocated: no encode workers, no connector; the prefilling workers encode.
+    colocated = config.with_overrides({"workers.mode": "colocated"})
+    assert factories_for(colocated)[1] is None
+    assert [s.role for s in worker_specs(colocated, *factories_for(colocated))] == [Role.MIXED] * 2

@@ -123,6 +123,15 @@ async def test_set_role_drains_first(worker) -> None:  # type: ignore[no-untyped
     assert done.role is Role.DECODE and not done.draining
 
 
+async def test_a_fixed_role_worker_keeps_its_role_and_keeps_serving(worker) -> None:  # type: ignore[no-untyped-def]
+    """An encode worker on another engine than the text workers' (beside vLLM): a flip
+    changes nothing and drains nothing; the caller learns the role it kept."""
+    w = worker(Role.ENCODE, fixed_role=True)
+    assert await asyncio.wait_for(w.set_role(Role.PREFILL), 1.0) is Role.ENCODE
+    snap = await w.snapshot()
+    assert snap.role is Role.ENCODE and not snap.draining
+
+
 async def test_prefill_hold_is_pulled_by_decode_and_released(worker) -> None:  # type: ignore[no-untyped-def]
     p = worker(Role.PREFILL, "p", connector_factory=local_connector)
     d = worker(Role.DECODE, "d", connector_factory=local_connector)
