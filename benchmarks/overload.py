@@ -58,7 +58,8 @@ def save_small_llama(folder: Path) -> Path:
 def serve_config(policy: str, rebalance: bool, max_hold_s: float) -> dict[str, object]:
     return {
         "engine": {"device": "cpu", "num_threads": 1, "kv_cache_bytes": 64 * 2**20},
-        "workers": {"mode": "disaggregated", "prefill": 2, "decode": 2},
+        # The engines yield the CPU to the gateway (and the client) they share it with.
+        "workers": {"mode": "disaggregated", "prefill": 2, "decode": 2, "nice": 10},
         "kvtransfer": {"backend": "nixl"},
         "router": {
             "policy": policy,

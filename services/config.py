@@ -90,6 +90,13 @@ class WorkersConfig(_Section):
         description="GPUs per worker by role (the Helm chart sets it from its worker groups)",
     )
     telemetry_interval_s: float = Field(0.1, gt=0, le=1.0)
+    nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="added to each worker's nice value (its engine threads): on a CPU host "
+        "shared with the gateway, admission keeps answering quickly while engines run flat out",
+    )
 
     @model_validator(mode="after")
     def _has_workers(self) -> WorkersConfig:

@@ -62,6 +62,7 @@ def worker_specs(
             connector_factory=connector_factory,
             # An encoder on another engine than the text workers' can serve no text role.
             fixed_role=role is Role.ENCODE and encoder is not engine_factory,
+            nice=w.nice,
             telemetry_interval_s=w.telemetry_interval_s,
             max_num_seqs=config.engine.max_num_seqs,
             num_gpus=gpus_per_worker(config, role, cluster_has_gpus=cluster_has_gpus),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -113,8 +114,10 @@ class EngineLoop:
         role_state: Callable[[], tuple[Role, bool]],
         telemetry_interval_s: float,
         max_num_seqs: int = 256,
+        nice: int = 0,
     ) -> None:
         self._worker_id = worker_id
+        self._nice = nice
         self._engine = engine
         self._connector = connector
         self._on_events = on_events
@@ -183,6 +186,10 @@ class EngineLoop:
 
     # -- the loop ------------------------------------------------------------------
     def _run(self) -> None:
+        if self._nice:
+            # Linux: this thread's nice value (and that of threads it starts), not the
+            # process's: the worker's transport, which answers the gateway, keeps its own.
+            os.nice(self._nice)
         while not self._stopping.is_set():
             self._beat_s = time.monotonic()
             try:

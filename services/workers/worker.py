@@ -74,6 +74,7 @@ class WorkerSpec:
     # The worker keeps its role: ``set_role`` changes nothing (an encode worker running
     # another engine than the text workers', as beside vLLM).
     fixed_role: bool = False
+    nice: int = 0  # added to the nice value of the engine's threads (workers.nice)
 
 
 class Worker:
@@ -106,6 +107,7 @@ class Worker:
             role_state=lambda: (self._role, self._draining),
             telemetry_interval_s=spec.telemetry_interval_s,
             max_num_seqs=spec.max_num_seqs,
+            nice=spec.nice,
         )
         self._loop.start()
 

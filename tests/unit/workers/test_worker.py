@@ -191,3 +191,18 @@ async def test_router_refits_from_each_engine_step_exactly_once(worker) -> None:
     ends = [s.end_s for s in steps]
     assert all(e > 0 for e in ends) and ends == sorted(set(ends))
     assert observed == list(steps)
+
+
+async def test_nice_lowers_the_engine_threads_priority_only(worker) -> None:  # type: ignore[no-untyped-def]
+    """``workers.nice``: the engine loop's thread runs at a higher nice value (Linux
+    keeps one per thread), the worker's own thread, which answers the gateway, does not."""
+    import os
+
+    plain, niced = worker(name="a"), worker(name="b", nice=3)
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    await asyncio.sleep(0.05)  # the loops have started
+    tids = [w._loop._thread.native_id for w in (plain, niced)]
+    assert [os.getpriority(os.PRIO_PROCESS, t) for t in tids] == [own, min(19, own + 3)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own
+    events = [e async for e in niced.generate(Generate(request("n", max_tokens=3)))]
+    assert events[-1].finish_reason is FinishReason.LENGTH  # and it serves
