@@ -44,7 +44,7 @@ from router.admission import Admission
 from router.correction import Outcome, OutcomeCorrector
 from router.cost_model import TransferCoeffs
 from router.length import LengthClassifier, effective_prefill_tokens
-from router.links import LinkFit
+from router.links import Links
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
 from router.refusals import RefusalMeter
@@ -72,9 +72,6 @@ _OUTPUT_HISTORY = 256
 # without endings (benchmarks/router.py, live); with both changes, 136 µs.
 _PUBLISH_OUTPUT_LENS_EVERY = 8
 _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes prefill by
-# A link's figures reach the view only when they moved this much: each transfer nudges
-# the fit, and rebuilding both ends' rows for every nudge would double the view's work.
-_LINK_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +111,7 @@ class Router:
         self._slots: list[WorkerView] | None = None
         self._index: dict[str, int] = {}
         self._stale: set[str] = set()  # workers whose view must be rebuilt
-        self._links: dict[str, LinkFit] = {}
-        self._published_links: dict[str, TransferCoeffs] = {}  # what the view shows
+        self._links = Links(settings.profile.transfer)
         self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
         self.corrector = OutcomeCorrector(settings.correction)
@@ -153,8 +149,7 @@ class Router:
             self._view = None
         for wid in self._reservations.drop_worker(worker_id):
             self._invalidate(wid)
-        self._links.pop(worker_id, None)
-        self._published_links.pop(worker_id, None)
+        self._links.forget(worker_id)
         self.corrector.forget(worker_id)
 
     def is_alive(self, worker_id: str) -> bool:
@@ -274,15 +269,8 @@ class Router:
     ) -> None:
         """A KV pull from ``prefill_worker`` to ``decode_worker`` finished: both ends'
         links are refitted (a pair is priced by its slower end)."""
-        seed = self.settings.profile.transfer
         for wid in (prefill_worker, decode_worker):
-            fit = self._links.get(wid)
-            if fit is None:
-                fit = self._links[wid] = LinkFit(seed)
-            estimate = fit.observe(num_bytes, duration_s)
-            shown = self._published_links.get(wid)
-            if shown is None or _moved(shown, estimate):
-                self._published_links[wid] = estimate
+            if self._links.observe(wid, num_bytes, duration_s):
                 self._invalidate(wid)
 
     def observe_encode(self, worker_id: str, num_image_tokens: int, duration_s: float) -> None:
@@ -294,8 +282,7 @@ class Router:
 
     def link(self, worker_id: str) -> TransferCoeffs:
         """The worker's link as measured (the profile's until a transfer is seen)."""
-        fit = self._links.get(worker_id)
-        return fit.estimate if fit is not None else self.settings.profile.transfer
+        return self._links.estimate(worker_id)
 
     def pressure(self, now_s: float | None = None) -> RolePressure | None:
         """Each role's load for the ratio planner; None if the policy cannot tell."""
@@ -387,7 +374,7 @@ class Router:
             wid,
             w.report,
             w.digest,
-            self._published_links.get(wid),
+            self._links.shown(wid),
             self.classifier.threshold_tokens,
             self._reservations.on(wid),
             previous,
@@ -405,10 +392,3 @@ def _with_encode_worker(plan: Plan, view: ClusterView, num_images: int) -> Plan:
     parts = split_images(max(1, num_images), tuple(w.worker_id for w in ranked))
     split = parts if len(parts) > 1 else ()
     return dataclasses.replace(plan, encode_worker=parts[0][0], encode_parts=split)
-
-
-def _moved(shown: TransferCoeffs, now: TransferCoeffs) -> bool:
-    bw, lat = shown.bandwidth_bytes_per_s, shown.latency_s
-    return abs(now.bandwidth_bytes_per_s - bw) > _LINK_TOLERANCE * bw or abs(
-        now.latency_s - lat
-    ) > _LINK_TOLERANCE * max(lat, 1e-4)

@@ -29,10 +29,13 @@ from dataclasses import dataclass
 
 from router.cost_model import TransferCoeffs
 
-__all__ = ["LinkFit"]
+__all__ = ["LinkFit", "Links"]
 
 _MIN_WIRE_S = 1e-6  # a transfer faster than its latency still moved its bytes
 _MIN_SPREAD = 0.25  # coefficient of variation of sizes below which no slope is fitted
+# A link's figures reach the view only when they moved this much: each transfer nudges
+# the fit, and rebuilding both ends' rows for every nudge would double the view's work.
+_PUBLISH_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,3 +104,45 @@ class LinkFit:
         latency_s = min(seed.latency_s, min(t.duration_s for t in self._recent))
         wire_s = sum(max(t.duration_s - latency_s, _MIN_WIRE_S) for t in self._recent)
         return TransferCoeffs(bandwidth_bytes_per_s=sum_b / wire_s, latency_s=latency_s)
+
+
+class Links:
+    """One ``LinkFit`` per worker, and the figures the view shows for each (``shown``),
+    which follow the fit only when it moved by more than a tolerance."""
+
+    def __init__(self, seed: TransferCoeffs) -> None:
+        self._seed = seed
+        self._fits: dict[str, LinkFit] = {}
+        self._shown: dict[str, TransferCoeffs] = {}
+
+    def observe(self, worker_id: str, num_bytes: int, duration_s: float) -> bool:
+        """Fold a transfer into the worker's fit; True if what the view shows changed."""
+        fit = self._fits.get(worker_id)
+        if fit is None:
+            fit = self._fits[worker_id] = LinkFit(self._seed)
+        estimate = fit.observe(num_bytes, duration_s)
+        shown = self._shown.get(worker_id)
+        if shown is not None and not _moved(shown, estimate):
+            return False
+        self._shown[worker_id] = estimate
+        return True
+
+    def estimate(self, worker_id: str) -> TransferCoeffs:
+        """The worker's link as measured (the seed until a transfer is seen)."""
+        fit = self._fits.get(worker_id)
+        return fit.estimate if fit is not None else self._seed
+
+    def shown(self, worker_id: str) -> TransferCoeffs | None:
+        """What the view shows for the worker; None: no transfer seen (the profile's)."""
+        return self._shown.get(worker_id)
+
+    def forget(self, worker_id: str) -> None:
+        self._fits.pop(worker_id, None)
+        self._shown.pop(worker_id, None)
+
+
+def _moved(shown: TransferCoeffs, now: TransferCoeffs) -> bool:
+    bw, lat = shown.bandwidth_bytes_per_s, shown.latency_s
+    return abs(now.bandwidth_bytes_per_s - bw) > _PUBLISH_TOLERANCE * bw or abs(
+        now.latency_s - lat
+    ) > _PUBLISH_TOLERANCE * max(lat, 1e-4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.cost_model import TransferCoeffs
-from router.links import LinkFit
+from router.links import LinkFit, Links
 
 SEED = TransferCoeffs(bandwidth_bytes_per_s=1e9, latency_s=0.001)
 
@@ -47,3 +47,22 @@ def test_small_transfers_measure_latency_not_bandwidth() -> None:
     for _ in range(3):
         fit.observe(8192, 0.01)
     assert fit.estimate.latency_s == pytest.approx((0.2 + 3 * 0.01) / 4 - 8192 / 1e9)
+
+
+def test_the_view_is_shown_a_link_only_when_it_moved_past_the_tolerance() -> None:
+    """``Links``: each transfer refits the worker's link, but what the view shows (and
+    so the rows rebuilt) changes only on the first transfer and when the fit moved by
+    more than 5%; ``estimate`` always follows the fit."""
+    seed = TransferCoeffs(bandwidth_bytes_per_s=1e9, latency_s=1e-3)
+    links = Links(seed)
+    assert links.shown("w") is None and links.estimate("w") == seed
+    assert links.observe("w", 10**8, 0.101)  # first: shown
+    first = links.shown("w")
+    assert first is not None
+    assert not links.observe("w", 10**8, 0.102)  # 1% slower: the view keeps its figures
+    assert links.shown("w") == first and links.estimate("w") != first
+    assert links.observe("w", 10**8, 0.150)  # far slower: shown
+    shown = links.shown("w")
+    assert shown is not None and shown.bandwidth_bytes_per_s < 0.95 * first.bandwidth_bytes_per_s
+    links.forget("w")
+    assert links.shown("w") is None and links.estimate("w") == seed
