@@ -14,14 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from openai import AsyncOpenAI
 
 from services.workers.messages import WorkerSnapshot
 from tests.support.cluster import real_service, tiny_config, worker_snapshots
 from tests.support.serve_cli import baton_serve, serve_env
 from tests.support.server import ServedGateway
-from tests.support.vllm import build_vllm_checkpoint
+from tests.support.vllm import build_vllm_checkpoint, vllm_serve_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.vllm]
 
@@ -88,34 +87,11 @@ def expected(reference: list[tuple[str, list[int]]]) -> list[str]:
     return [text for text, _ in reference]
 
 
-def _serve_args(checkpoint: Path, folder: Path, *layout: str) -> list[str]:
-    config = folder / "vllm.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "engine": {
-                    "vllm": {"enforce_eager": True},
-                    "max_model_len": 512,
-                    "kv_cache_bytes": 8 * 2**20,
-                    "device": "cpu",
-                },
-                "kvtransfer": {"lease_s": LEASE_S},
-                "router": {"policy": "round_robin"},
-                "workers": {"num_cpus": 0},
-            }
-        )
-    )
-    return [
-        "--config", str(config), "--backend", "vllm", "--model", str(checkpoint),
-        "--served-model-name", "m", "--dtype", "float32", "--log-level", "warning", *layout,
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def colocated(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``baton serve --backend vllm --mode colocated``: its base URL."""
     layout = ["--mode", "colocated", "--prefill", "1", "--decode", "0"]
-    args = _serve_args(checkpoint, tmp_path_factory.mktemp("colocated"), *layout)
+    args = vllm_serve_args(checkpoint, tmp_path_factory.mktemp("colocated"), LEASE_S, *layout)
     with baton_serve(args, serve_env(), ready_s=240) as base:
         yield base
 
@@ -168,7 +144,7 @@ def test_baton_serve_one_prefill_one_decode_equals_vllm_generate(
     checkpoint: Path, tmp_path: Path, expected: list[str]
 ) -> None:
     """``baton serve --backend vllm --prefill 1 --decode 1``: KV over vLLM's NixlConnector."""
-    args = _serve_args(checkpoint, tmp_path, "--prefill", "1", "--decode", "1")
+    args = vllm_serve_args(checkpoint, tmp_path, LEASE_S, "--prefill", "1", "--decode", "1")
     with baton_serve(args, serve_env(), ready_s=240) as base:
         assert asyncio.run(_stream_all(base)) == expected
         metrics = httpx.get(f"{base}/metrics", timeout=10).text

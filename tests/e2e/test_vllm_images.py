@@ -18,11 +18,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import yaml
 from openai import AsyncOpenAI
 
 from tests.support.serve_cli import baton_serve, serve_env
-from tests.support.vllm import build_vllm_llava_checkpoint
+from tests.support.vllm import build_vllm_llava_checkpoint, vllm_serve_args
 from tests.unit.engine.llava_twin import png_bytes, random_image
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.vllm]
@@ -79,29 +78,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str
     return folder, texts
 
 
-def _serve_args(checkpoint: Path, folder: Path, *layout: str) -> list[str]:
-    config = folder / "vllm.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "engine": {
-                    "vllm": {"enforce_eager": True},
-                    "max_model_len": 512,
-                    "kv_cache_bytes": 8 * 2**20,
-                    "device": "cpu",
-                },
-                "kvtransfer": {"lease_s": 2.0},
-                "router": {"policy": "round_robin"},
-                "workers": {"num_cpus": 0},
-            }
-        )
-    )
-    return [
-        "--config", str(config), "--backend", "vllm", "--model", str(checkpoint),
-        "--served-model-name", "m", "--dtype", "float32", "--log-level", "warning", *layout,
-    ]  # fmt: skip
-
-
 async def _chat_all(base_url: str) -> list[str]:
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -139,7 +115,9 @@ def test_image_chats_equal_transformers_generate(
     checkpoint: tuple[Path, list[str]], tmp_path: Path, layout: tuple[str, ...]
 ) -> None:
     folder, expected = checkpoint
-    with baton_serve(_serve_args(folder, tmp_path, *layout), serve_env(), ready_s=240) as base:
+    with baton_serve(
+        vllm_serve_args(folder, tmp_path, 2.0, *layout), serve_env(), ready_s=240
+    ) as base:
         served = asyncio.run(_chat_all(base))
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
     # Word-level tokens: the words, in order, are the tokens (specials are not shown).

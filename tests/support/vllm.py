@@ -15,16 +15,12 @@ import torch
 from services.config import EngineConfig, ModelConfig
 
 
-def build_vllm_checkpoint(folder: Path, seed: int = 0) -> Path:
-    """A random-weight Llama that vLLM's CPU attention runs (head_dim 64), with a
-    word-level tokenizer and chat template, saved by ``transformers``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def vllm_llama_config(vocab_size: int) -> Any:
+    """A tiny Llama that vLLM's CPU attention runs (head_dim 64)."""
+    from transformers import LlamaConfig
 
-    from tests.unit.engine.conftest import _scramble, save_word_tokenizer
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=96,
+    return LlamaConfig(
+        vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=192,
         num_hidden_layers=2,
@@ -37,6 +33,45 @@ def build_vllm_checkpoint(folder: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
         rope_theta=10000.0,
     )
+
+
+def vllm_serve_args(checkpoint: Path, folder: Path, lease_s: float, *layout: str) -> list[str]:
+    """``baton serve`` arguments for the vLLM backend on ``checkpoint`` (CPU, eager, a
+    small KV cache, round_robin), the config written into ``folder``; ``layout``: the
+    worker flags."""
+    import yaml
+
+    config = folder / "vllm.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "engine": {
+                    "vllm": {"enforce_eager": True},
+                    "max_model_len": 512,
+                    "kv_cache_bytes": 8 * 2**20,
+                    "device": "cpu",
+                },
+                "kvtransfer": {"lease_s": lease_s},
+                "router": {"policy": "round_robin"},
+                "workers": {"num_cpus": 0},
+            }
+        )
+    )
+    return [
+        "--config", str(config), "--backend", "vllm", "--model", str(checkpoint),
+        "--served-model-name", "m", "--dtype", "float32", "--log-level", "warning", *layout,
+    ]  # fmt: skip
+
+
+def build_vllm_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A random-weight Llama that vLLM's CPU attention runs (head_dim 64), with a
+    word-level tokenizer and chat template, saved by ``transformers``."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.engine.conftest import _scramble, save_word_tokenizer
+
+    torch.manual_seed(seed)
+    config = vllm_llama_config(96)
     model = AutoModelForCausalLM.from_config(config)
     _scramble(model, seed)
     model.float().save_pretrained(str(folder))
@@ -67,7 +102,6 @@ def build_vllm_llava_checkpoint(folder: Path, seed: int = 0) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -78,20 +112,7 @@ def build_vllm_llava_checkpoint(folder: Path, seed: int = 0) -> Any:
     from tests.unit.engine.conftest import WORDS, _scramble
 
     vocab = LLAVA_IMAGE_TOKEN_ID + 1
-    text = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-    )
+    text = vllm_llama_config(vocab)
     vision = CLIPVisionConfig(
         hidden_size=64,
         intermediate_size=96,
