@@ -179,9 +179,10 @@ class VllmEngine:
             params.extra_args = {"kv_transfer_params": dict(remote_kv)}
         prompt: dict[str, Any] = {"prompt_token_ids": tokens}
         if request.images:
-            # vLLM encodes them (this worker prefills) and expands the placeholders; a
-            # continuation carries them too, so its prefix-cache hashes cover the images
-            # and a failed pull that recomputes the prompt encodes them again.
+            # Files (vLLM encodes them here) or encode workers' embeddings; vLLM expands
+            # the placeholders. A continuation carries the files too, so its prefix-cache
+            # hashes cover the images and a failed pull that recomputes the prompt
+            # encodes them again.
             folded, images = vllm_image_prompt(request.prompt_token_ids, request.images)
             prompt = {"prompt_token_ids": [*folded, *known], "multi_modal_data": {"image": images}}
         try:

@@ -1,10 +1,12 @@
-"""Images through vLLM's own multimodal path (LLaVA), encoded on the worker that prefills.
+"""Images through vLLM's own multimodal path (LLaVA).
 
 The gateway sends a request's prompt with each image's placeholder run expanded (the
 length the router prices) and the image files. vLLM expands placeholders itself, from
 one image token per image: ``vllm_image_prompt`` folds each run back to its first
-token and decodes the files, and vLLM's processor (the checkpoint's own processor
-config) resizes, crops and normalises them. vLLM's prompt is then as long as ours.
+token, and hands vLLM either the files decoded (vLLM's processor, from the checkpoint's
+own processor config, resizes, crops, normalises and encodes them on this worker) or,
+for images pulled from encode workers, their embeddings, which vLLM places as they are
+(``enable_mm_embeds``). vLLM's prompt is then as long as ours.
 
 vLLM 0.32's ``llava.py`` imports ``pixtral.py``, which imports one helper
 (``_num_image_tokens``) from ``transformers``' torchvision image processor for Pixtral.
