@@ -96,6 +96,8 @@ class WorkerTable:
         self.fullness = zeros()
         self.queued_tokens = zeros()
         self.tables: list[PeakTable | None] = [None] * n
+        # Rows with a peak table: the cost model's sample count they were filled at.
+        self._filled_at: list[int] = [-1] * n
         # Rows without a peak table: what their queue waits were priced with (see
         # ``_refill_queues``), else None.
         self._queue_pricing: list[_QueuePricing | None] = [None] * n
@@ -130,7 +132,9 @@ class WorkerTable:
         self.workers = new
         self._draw_tables([new[i] for i in changed])
         for i in changed:
-            if not self._refill_queues(i, old[i], new[i]):
+            if not self._refill_queues(i, old[i], new[i]) and not self._refill_inbound(
+                i, old[i], new[i]
+            ):
                 self._fill_row(i, new[i])
 
     def _rebuild(self, workers: Sequence[WorkerView]) -> None:
@@ -210,6 +214,7 @@ class WorkerTable:
             self.tables[i] = table
             peak = table.peak_tokens
             self._queue_pricing[i] = None
+            self._filled_at[i] = model.num_samples
         else:
             self.tables[i] = None
             peak = 0.0
@@ -244,10 +249,27 @@ class WorkerTable:
         if (
             pricing is None
             or pricing.model.num_samples != pricing.num_samples
-            or not _same_but_queues(old, new)
+            or old.inbound_tokens != new.inbound_tokens
+            or not _same_but_queues_and_inbound(old, new)
         ):
             return False
         self._price_queues(i, new, pricing.queue_coeffs, pricing.budget, pricing.margin)
+        return True
+
+    def _refill_inbound(self, i: int, old: WorkerView, new: WorkerView) -> bool:
+        """Row ``i`` anew where ``new`` differs from ``old`` only in the KV placed to
+        decode there (a reservation that started on its decode worker: its running row
+        stays until the next report) and the row has a peak table: only that column
+        moves, exactly as ``_fill_row`` would set it. False: the row needs more."""
+        if (
+            self.tables[i] is None
+            or self._cost_model_for(new.worker_id).num_samples != self._filled_at[i]
+            or old.queued_tokens != new.queued_tokens
+            or old.queued_requests != new.queued_requests
+            or not _same_but_queues_and_inbound(old, new)
+        ):
+            return False
+        self.inbound_tokens[i] = new.inbound_tokens
         return True
 
     def _price_queues(
@@ -384,8 +406,9 @@ class _QueuePricing:
     num_samples: int
 
 
-def _same_but_queues(old: WorkerView, new: WorkerView) -> bool:
-    """Every field but the queues the same (tuples and sets by identity)."""
+def _same_but_queues_and_inbound(old: WorkerView, new: WorkerView) -> bool:
+    """Every field but the queues and the inbound KV the same (tuples and sets by
+    identity)."""
     return (
         old.running is new.running
         and old.recent_steps is new.recent_steps
@@ -400,5 +423,4 @@ def _same_but_queues(old: WorkerView, new: WorkerView) -> bool:
         and old.kv_bytes_per_token == new.kv_bytes_per_token
         and old.max_num_seqs == new.max_num_seqs
         and old.prefill_budget_tokens == new.prefill_budget_tokens
-        and old.inbound_tokens == new.inbound_tokens
     )
