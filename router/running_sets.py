@@ -26,6 +26,7 @@ from router.types import RunningRequest
 __all__ = [
     "ROW_FIELDS",
     "RunningEntry",
+    "RunningSets",
     "derived_entry",
     "extended_entry",
     "new_entry",
@@ -154,3 +155,56 @@ def running_rows(running: Sequence[RunningRequest]) -> np.ndarray:
     n = len(running)
     flat = np.fromiter(chain.from_iterable(map(ROW_FIELDS, running)), np.float64, 3 * n)
     return flat.reshape(n, 3)
+
+
+class RunningSets:
+    """Per worker, its two most recent running sets (newest first), as entries: a
+    reservation's and, once released, the report's own again. ``history()`` is sorted H,
+    which a derived set's appended request is drawn against."""
+
+    def __init__(
+        self, history: Callable[[], np.ndarray], rng: np.random.Generator, num_draws: int
+    ) -> None:
+        self._history = history
+        self._rng = rng
+        self._num_draws = num_draws
+        self._cache: dict[str, list[RunningEntry]] = {}
+        self._history_list: tuple[np.ndarray, list[float]] | None = None  # H as floats
+
+    def entry(self, worker_id: str, running: tuple[RunningRequest, ...]) -> RunningEntry:
+        """The worker's running set as rows, with its peak table, kept while the set is
+        the same object: a snapshot that moved only queues or free blocks, or a
+        reservation released (the router then shows the report's own tuple again), finds
+        the rows and draws it had. A set one request longer or shorter than a cached one
+        with a table (a reservation added or released) keeps the others' draws
+        (``derived_entry``); only a new running set is drawn afresh."""
+        entries = self._cache.setdefault(worker_id, [])
+        for k, entry in enumerate(entries):
+            if entry.running is running:
+                if k:
+                    entries.insert(0, entries.pop(k))
+                return entry
+        entry = (
+            self._derived(entries, running)
+            or extended_entry(entries, running)
+            or new_entry(running)
+        )
+        entries.insert(0, entry)
+        del entries[2:]
+        return entry
+
+    def cached(self, worker_id: str) -> list[RunningEntry]:
+        return self._cache.get(worker_id, [])
+
+    def _derived(
+        self, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
+    ) -> RunningEntry | None:
+        """``running`` derived from a cached set, its draws kept (``derived_entry``)."""
+        return derived_entry(entries, running, self._history_floats, self._rng, self._num_draws)
+
+    def _history_floats(self) -> list[float]:
+        history = self._history()
+        cached = self._history_list
+        if cached is None or cached[0] is not history:
+            cached = self._history_list = (history, history.tolist())
+        return cached[1]

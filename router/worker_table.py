@@ -30,8 +30,8 @@ from router.cost_model import CostModel, Profile, QuadCoeffs
 from router.estimator import PeakTable, remaining_tokens
 from router.length import SplitMode, long_pool, prefill_curve, queue_wait_s
 from router.prefix_index import PrefixIndex
-from router.running_sets import RunningEntry, derived_entry, extended_entry, new_entry
-from router.types import ClusterView, LengthClass, Role, RunningRequest, StepSample, WorkerView
+from router.running_sets import RunningEntry, RunningSets
+from router.types import ClusterView, LengthClass, Role, StepSample, WorkerView
 
 __all__ = ["TableSettings", "WorkerTable"]
 
@@ -65,11 +65,8 @@ class WorkerTable:
         self._rng = rng
         self._last_step_end_s: dict[str, float] = {}
         self._last_steps: dict[str, tuple[StepSample, ...]] = {}  # the last tuple read
-        # Per worker, its two most recent running sets (newest first): a reservation's
-        # and, once released, the report's own again (see ``_running_entry``).
-        self._running_cache: dict[str, list[RunningEntry]] = {}
         self.sorted_history: np.ndarray = np.zeros(0)
-        self._history_list: tuple[np.ndarray, list[float]] | None = None  # H as floats
+        self.running_sets = RunningSets(lambda: self.sorted_history, rng, settings.num_draws)
         self.workers: tuple[WorkerView, ...] | None = None
         self.prefix_index = PrefixIndex()
         self._allocate(0)
@@ -285,45 +282,7 @@ class WorkerTable:
         self.wait_long_s[i] = long_s * margin
 
     def _running_entry(self, w: WorkerView) -> RunningEntry:
-        """The worker's running set as rows, with its peak table, kept while the set is
-        the same object: a snapshot that moved only queues or free blocks, or a
-        reservation released (the router then shows the report's own tuple again), finds
-        the rows and draws it had. A set one request longer or shorter than a cached one
-        with a table (a reservation added or released) keeps the others' draws
-        (``router.running_sets.derived_entry``); only a new running set is drawn afresh."""
-        entries = self._running_cache.setdefault(w.worker_id, [])
-        running = w.running
-        for k, entry in enumerate(entries):
-            if entry.running is running:
-                if k:
-                    entries.insert(0, entries.pop(k))
-                return entry
-        entry = (
-            self._derived(entries, running)
-            or extended_entry(entries, running)
-            or new_entry(running)
-        )
-        entries.insert(0, entry)
-        del entries[2:]
-        return entry
-
-    def _derived(
-        self, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
-    ) -> RunningEntry | None:
-        """``running`` derived from a cached set, its draws kept (``derived_entry``)."""
-        return derived_entry(
-            entries,
-            running,
-            self._history_floats,
-            self._rng,
-            self.settings.num_draws,
-        )
-
-    def _history_floats(self) -> list[float]:
-        cached = self._history_list
-        if cached is None or cached[0] is not self.sorted_history:
-            cached = self._history_list = (self.sorted_history, self.sorted_history.tolist())
-        return cached[1]
+        return self.running_sets.entry(w.worker_id, w.running)
 
     def _draw_tables(self, workers: Sequence[WorkerView]) -> None:
         """Draw at once the peak tables that filling these rows, in this order, would

@@ -1,5 +1,5 @@
 """A running set one reservation longer or shorter than a cached one keeps the other
-requests' memory-estimate draws (``WorkerTable._derived``, issue #13's speed).
+requests' memory-estimate draws (``RunningSets._derived``, issue #13's speed).
 
 What is drawn changes, so plans may differ from drawing every set anew; what must
 hold is that each table is distributed as one drawn anew: every column is an
@@ -146,7 +146,7 @@ def _check_draws(
         if table is None or id(table) in checked:
             continue  # none, or not drawn in this sync
         checked[id(table)] = table
-        entry = next(e for e in t._running_cache[w.worker_id] if e.running is w.running)
+        entry = next(e for e in t.running_sets.cached(w.worker_id) if e.running is w.running)
         assert entry.table is table
         r = entry.remaining
         assert r is not None and r.shape == (num_draws, len(w.running))
@@ -192,7 +192,7 @@ def test_every_column_is_its_own_requests_draw_on_random_traffic(seed: int) -> N
     router = Router(RouterSettings(policy="round_robin"))
     t = _decode_table(seed)
     counter = _FakeCountingRng(t._rng)
-    t._rng = counter  # type: ignore[assignment]
+    t._rng = t.running_sets._rng = counter  # type: ignore[assignment]
     # Distinct lengths: a draw that is not capped is then a value no other draw has.
     history = np.sort(np.array([rng.uniform(1, 600) for _ in range(50)]))
     t.sorted_history = history

@@ -23,7 +23,7 @@ from router.cost_model import DEFAULT_PROFILE, CostModel
 from router.estimator import PeakTable, remaining_tokens
 from router.front_door import Router, RouterSettings
 from router.length import SplitMode, prefill_curve, queue_wait_s
-from router.running_sets import ROW_FIELDS, RunningEntry, extended_entry, new_entry
+from router.running_sets import ROW_FIELDS, RunningEntry, RunningSets, extended_entry, new_entry
 from router.types import (
     LengthClass,
     Plan,
@@ -333,18 +333,18 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
             extended.append(entry)
         return entry
 
-    monkeypatch.setattr("router.worker_table.extended_entry", counted)
-    derive = WorkerTable._derived
+    monkeypatch.setattr("router.running_sets.extended_entry", counted)
+    derive = RunningSets._derived
     derived: list[RunningEntry | None] = []
 
     def counted_derived(
-        t: WorkerTable, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
+        t: RunningSets, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
     ) -> RunningEntry | None:
         entry = derive(t, entries, running)
         derived.append(entry)
         return entry
 
-    monkeypatch.setattr(WorkerTable, "_derived", counted_derived)
+    monkeypatch.setattr(RunningSets, "_derived", counted_derived)
     for finished in random_traffic(rng, router, 400, 0.3, lambda: rng.randint(1, 600)):
         if finished is not None:
             history = np.sort(np.append(history[1:], finished).astype(np.float64))
