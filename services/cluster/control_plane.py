@@ -185,9 +185,11 @@ class ControlPlane:
         if self._controller is not None:
             self._controller.report_dead(worker_id)
 
-    async def set_role(self, worker_id: str, role: Role) -> None:
-        if self._controller is not None:
-            await self._controller.set_role(worker_id, role)
+    async def set_role(self, worker_id: str, role: Role) -> Role | None:
+        """The worker's role after (its own, if it keeps it); None: no controller here."""
+        if self._controller is None:
+            return None
+        return await self._controller.set_role(worker_id, role)
 
     async def shutdown(self) -> None:
         """Stop and kill every worker (``baton cluster down``)."""

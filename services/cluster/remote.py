@@ -96,8 +96,10 @@ class RemoteController:
         if self._down(worker_id, "reported dead"):
             self._plane.report_dead.remote(worker_id)
 
-    async def set_role(self, worker_id: str, role: Role) -> None:
-        await self._plane.set_role.remote(worker_id, role)
+    async def set_role(self, worker_id: str, role: Role) -> Role:
+        """The worker's role after (its own, if it keeps it)."""
+        now: Role = await self._plane.set_role.remote(worker_id, role)
+        return now
 
     # -- internals ------------------------------------------------------------------------
     async def _poll_forever(self) -> None:

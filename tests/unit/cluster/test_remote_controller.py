@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from router.types import Role
 from services.backends.fake import FakeTokenizer
 from services.cluster.control_plane import Registry, WorkerEntry, _base_id, _generation
 from services.cluster.factories import ConnectorFactory, FakeEngineFactory
@@ -46,6 +47,7 @@ class FakePlane:
         self.start = _FakeMethod(self._registry)
         self.registry = _FakeMethod(self._registry)
         self.report_dead = _FakeMethod(self._report_dead)
+        self.set_role = _FakeMethod(self._set_role)
 
     async def _registry(self) -> Registry:
         entries = tuple(
@@ -55,6 +57,9 @@ class FakePlane:
 
     async def _report_dead(self, worker_id: str) -> None:
         self.reported_dead.append(worker_id)
+
+    async def _set_role(self, worker_id: str, role: Role) -> Role:
+        return await self.workers[worker_id].set_role(role)
 
     def find(self, entry: WorkerEntry) -> WorkerClient | None:
         worker = self.workers.get(entry.worker_id)
@@ -152,6 +157,21 @@ async def test_a_dead_worker_seen_by_the_gateway_is_reported_to_the_plane(
         assert "prefill-0" not in svc.router.reports()
         await _sleep(0.1)  # still listed by the plane: not adopted again by this gateway
         assert "prefill-0" not in svc.controller.workers()
+    finally:
+        await svc.stop()
+
+
+async def test_a_flip_through_the_plane_returns_the_role_the_worker_has_after(
+    plane: FakePlane,
+) -> None:
+    """The rebalancer counts a flip only if the worker took the role: through a control
+    plane too, ``set_role`` answers with the role after."""
+    svc = _gateway(plane)
+    await svc.start()
+    try:
+        assert await svc.controller.set_role("decode-0", Role.MIXED) is Role.MIXED
+        plane.workers["prefill-0"]._fixed_role = True  # as an encoder beside vLLM
+        assert await svc.controller.set_role("prefill-0", Role.DECODE) is Role.PREFILL
     finally:
         await svc.stop()
 
