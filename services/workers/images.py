@@ -100,6 +100,12 @@ class ImageStage:
         return self._pool is not None
 
     @property
+    def can_encode(self) -> bool:
+        """This worker can take the encode role: it has the pool and an engine that
+        encodes (vLLM's lands pulled embeddings but has no encode-only step)."""
+        return self._pool is not None and callable(getattr(self._engine, "encode_images", None))
+
+    @property
     def num_pending_pulls(self) -> int:
         return len(self._pulls)
 
@@ -112,7 +118,7 @@ class ImageStage:
         """Encode the request's images and hold their embeddings: ImagesEncoded, or a failure."""
         request_id = request.request_id
         pool, connector = self._pool, self._connector
-        if pool is None or connector is None:
+        if pool is None or connector is None or not self.can_encode:
             return RequestFailed(request_id, FailureKind.INTERNAL, "this worker cannot encode")
         if not pool.can_allocate(len(request.images)):
             return RequestFailed(

@@ -159,6 +159,11 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=5)
 
+    @property
+    def can_encode(self) -> bool:
+        """The worker can take the encode role (fixed at start)."""
+        return self._images.can_encode
+
     def stalled_for_s(self) -> float:
         """Seconds since the loop last went round (inf once its thread has ended)."""
         if self._thread.ident is not None and not self._thread.is_alive():

@@ -262,8 +262,12 @@ class Worker:
 
     async def set_role(self, role: Role, drain_timeout_s: float = 30.0) -> Role:
         """Drain (stop taking work, let in-flight requests finish), then switch role;
-        the role it has after (a fixed-role worker keeps its own, undrained)."""
-        if self._fixed_role:
+        the role it has after. A worker keeps its own, undrained, where it cannot take
+        ``role``: a fixed-role one, or the encode role on an engine that cannot encode
+        (vLLM's)."""
+        if self._fixed_role or (
+            role is Role.ENCODE and role is not self._role and not self._loop.can_encode
+        ):
             return self._role
         self._draining = True
         self._loop.mark_dirty()

@@ -132,6 +132,15 @@ async def test_a_fixed_role_worker_keeps_its_role_and_keeps_serving(worker) -> N
     assert snap.role is Role.ENCODE and not snap.draining
 
 
+async def test_an_engine_that_cannot_encode_never_takes_the_encode_role(worker) -> None:  # type: ignore[no-untyped-def]
+    """The planner may ask a prefill worker to encode; one whose engine has no encode
+    step (vLLM's, the fake here) keeps its role, and still flips between text roles."""
+    w = worker(Role.PREFILL, connector_factory=local_connector)
+    assert await asyncio.wait_for(w.set_role(Role.ENCODE), 1.0) is Role.PREFILL
+    assert (await w.snapshot()).role is Role.PREFILL
+    assert await asyncio.wait_for(w.set_role(Role.DECODE), 1.0) is Role.DECODE
+
+
 async def test_prefill_hold_is_pulled_by_decode_and_released(worker) -> None:  # type: ignore[no-untyped-def]
     p = worker(Role.PREFILL, "p", connector_factory=local_connector)
     d = worker(Role.DECODE, "d", connector_factory=local_connector)
