@@ -93,7 +93,8 @@ class WorkerTable:
         self.fullness = zeros()
         self.queued_tokens = zeros()
         self.tables: list[PeakTable | None] = [None] * n
-        # Rows with a peak table: the cost model's sample count they were filled at.
+        # The sample count of its worker's cost model each row was filled at: a refill
+        # that reuses the row's other values holds only while the model is the same.
         self._filled_at: list[int] = [-1] * n
         # Rows without a peak table: what their queue waits were priced with (see
         # ``_refill_queues``), else None.
@@ -211,13 +212,11 @@ class WorkerTable:
             self.tables[i] = table
             peak = table.peak_tokens
             self._queue_pricing[i] = None
-            self._filled_at[i] = model.num_samples
         else:
             self.tables[i] = None
             peak = 0.0
-            self._queue_pricing[i] = _QueuePricing(
-                queue_coeffs, budget, p_margin, model, model.num_samples
-            )
+            self._queue_pricing[i] = _QueuePricing(queue_coeffs, budget, p_margin)
+        self._filled_at[i] = model.num_samples
         self.peak_tokens[i] = peak
 
         # What every request's checks share.
@@ -245,7 +244,7 @@ class WorkerTable:
         pricing = self._queue_pricing[i]
         if (
             pricing is None
-            or pricing.model.num_samples != pricing.num_samples
+            or self._model_moved(i, new)
             or old.inbound_tokens != new.inbound_tokens
             or not _same_but_queues_and_inbound(old, new)
         ):
@@ -260,7 +259,7 @@ class WorkerTable:
         moves, exactly as ``_fill_row`` would set it. False: the row needs more."""
         if (
             self.tables[i] is None
-            or self._cost_model_for(new.worker_id).num_samples != self._filled_at[i]
+            or self._model_moved(i, new)
             or old.queued_tokens != new.queued_tokens
             or old.queued_requests != new.queued_requests
             or not _same_but_queues_and_inbound(old, new)
@@ -268,6 +267,10 @@ class WorkerTable:
             return False
         self.inbound_tokens[i] = new.inbound_tokens
         return True
+
+    def _model_moved(self, i: int, w: WorkerView) -> bool:
+        """The worker's cost model has learnt since row ``i`` was filled."""
+        return self._cost_model_for(w.worker_id).num_samples != self._filled_at[i]
 
     def _price_queues(
         self, i: int, w: WorkerView, coeffs: QuadCoeffs, budget: int, margin: float
@@ -356,13 +359,11 @@ class WorkerTable:
 @dataclass(frozen=True, slots=True)
 class _QueuePricing:
     """What a row's queue waits were priced with: the queue's per-step curve, the step
-    budget and the error margin of ``model`` after ``num_samples`` observations."""
+    budget and the error margin."""
 
     queue_coeffs: QuadCoeffs
     budget: int
     margin: float
-    model: CostModel
-    num_samples: int
 
 
 def _same_but_queues_and_inbound(old: WorkerView, new: WorkerView) -> bool:
