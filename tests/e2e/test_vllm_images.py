@@ -56,16 +56,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str
     texts = []
     for text, specs in CASES:
         images = _images(specs)
-        messages = [{"role": "user", "content": _parts(text, ["x"] * len(images))}]
-        templated = [  # the template's shape of an image part
-            {
-                "role": "user",
-                "content": [{"type": "image"} if p["type"] == "image_url" else p for p in m],
-            }
-            for m in (messages[0]["content"],)
-        ]
+        # The chat as the template takes it: image parts as {"type": "image"}.
+        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
         chat = processor.tokenizer.apply_chat_template(
-            templated, tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
         inputs = processor(text=chat, images=images or None, return_tensors="pt")
         with torch.no_grad():
