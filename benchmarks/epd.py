@@ -17,11 +17,12 @@ in the file; decode workers, which never encode, hold KV where the vision weight
 would be). The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up
 by ``--ladder`` until attainment drops under 90%, then ``--bisections`` halvings of
 the last gap; the goodput measured at the highest rate that kept 90%. The router's
-long/short prefill split is ``--length-split`` (``spatial`` as served: a quarter of the
-prefill workers take the long prompts, here the image requests; ``temporal``: every
-prefill worker takes both, short ones first), the same for both layouts. One JSON object
-on stdout (every split's sweep, the best of each layout, their ratio); CPU seconds of
-the simulations (``getrusage``, this process and its workers) at the end.
+long/short prefill split is ``--length-split`` (``spatial`` as served: a pool of the
+prefill workers sized to the long prompts' share of the work takes them, here the image
+requests; ``temporal``: every prefill worker takes both, short ones first), the same for
+both layouts. One JSON object on stdout (every split's sweep, the best of each layout,
+their ratio); CPU seconds of the simulations (``getrusage``, this process and its
+workers) at the end.
 
     python benchmarks/epd.py                       # 16 and 64 GPUs
     python benchmarks/epd.py --gpus 16 --num-requests 1500
@@ -331,7 +332,7 @@ def main() -> None:
         choices=["spatial", "temporal"],
         default="spatial",
         help="the router's long/short prefill split, the same for both layouts "
-        "(spatial, as served: a quarter of the prefill workers take long prompts)",
+        "(spatial, as served: a pool sized to the long prompts' work takes them)",
     )
     parser.add_argument("--live", action="store_true", help="the tiny cluster, not the sim")
     parser.add_argument(

@@ -17,8 +17,14 @@ Two ways to separate the classes (``SplitMode``):
 
 * ``temporal``: every prefill worker keeps two queues and serves SHORT first; a
   short request waits only for queued short work, a long one for both queues.
-* ``spatial``: the prefill pool is split; ``long_fraction`` of the prefill
-  workers (by sorted id) take LONG requests, the rest SHORT ones, each FCFS.
+* ``spatial``: the workers that prefill (prefill, then mixed ones) are split;
+  a LONG pool takes LONG requests, the rest SHORT ones, each FCFS. The pool's
+  size follows the LONG class's share of recent prefill work (``long_share``:
+  seconds on the seed curve, over about ``share_window`` requests), so each class
+  gets the workers its work needs: all of them when the other class is gone. (A
+  fixed share of workers starved: on 2 prefill + 2 decode workers offered only
+  long prompts, one prefill worker served them all while the other idled, and a
+  worker the ratio planner moved to prefill or to mixed never took one.)
 """
 
 from __future__ import annotations
@@ -35,9 +41,14 @@ __all__ = [
     "SplitMode",
     "effective_prefill_tokens",
     "long_pool",
+    "long_pool_size",
     "prefill_curve",
     "queue_wait_s",
 ]
+
+
+MIN_CLASS_SHARE = 0.05  # of recent requests: a class that keeps a spatial pool worker
+_PRIOR_REQUESTS = 5.0  # what the prior class shares weigh, in requests
 
 
 class SplitMode(enum.StrEnum):
@@ -65,10 +76,16 @@ class LengthClassifier:
         bound: float = 4.0,
         min_tokens: float = 16.0,
         max_tokens: float = 65536.0,
+        prior_long_share: float = 0.25,
+        share_window: int = 50,
+        request_window: int = 20,
     ) -> None:
         if not 0 < quantile < 1 or step <= 0 or bound < 1:
             raise ValueError("need 0 < quantile < 1, step > 0, bound >= 1")
+        if not 0 <= prior_long_share <= 1 or min(share_window, request_window) < 1:
+            raise ValueError("need 0 <= prior_long_share <= 1 and windows >= 1")
         knee = min(max(prefill_knee_tokens(prefill), min_tokens), max_tokens)
+        self._prefill = prefill
         self.knee_tokens = knee
         self.adaptive = threshold_tokens is None
         self._theta = float(threshold_tokens) if threshold_tokens is not None else knee
@@ -76,6 +93,31 @@ class LengthClassifier:
         self._hi = knee * bound
         self._quantile = quantile
         self._step = step
+        # Prefill work and requests by class (SHORT, LONG), decayed per request over
+        # about ``share_window`` and ``request_window`` requests (whether a class still
+        # comes is known sooner than its share of the work); the prior weighs as a few
+        # knee-long requests.
+        self._work_decay = 1.0 - 1.0 / share_window
+        self._request_decay = 1.0 - 1.0 / request_window
+        prior = (1.0 - prior_long_share, prior_long_share)
+        self._requests = [_PRIOR_REQUESTS * x for x in prior]
+        self._work = [_PRIOR_REQUESTS * self._work_s(knee) * x for x in prior]
+
+    def _work_s(self, num_tokens: float) -> float:
+        c = self._prefill
+        return max(c.a + num_tokens * (c.b + c.c * num_tokens), 1e-12)
+
+    @property
+    def long_share(self) -> float:
+        """The LONG class's share of recent prefill work (seconds on the seed curve)."""
+        short, long = self._work
+        return long / (short + long)
+
+    @property
+    def long_request_share(self) -> float:
+        """The LONG class's share of recent requests."""
+        short, long = self._requests
+        return long / (short + long)
 
     @property
     def threshold_tokens(self) -> float:
@@ -85,12 +127,20 @@ class LengthClassifier:
         return LengthClass.SHORT if num_tokens < self._theta else LengthClass.LONG
 
     def observe(self, num_tokens: float) -> None:
-        """Move θ toward the tracked quantile: at equilibrium P(n < θ) = quantile."""
-        if not self.adaptive:
-            return
-        above = 1.0 if num_tokens >= self._theta else 0.0
-        theta = self._theta * math.exp(self._step * (above - (1.0 - self._quantile)))
-        self._theta = min(max(theta, self._lo), self._hi)
+        """Move θ toward the tracked quantile (at equilibrium P(n < θ) = quantile),
+        then count the request's prefill work in its class."""
+        if self.adaptive:
+            above = 1.0 if num_tokens >= self._theta else 0.0
+            theta = self._theta * math.exp(self._step * (above - (1.0 - self._quantile)))
+            self._theta = min(max(theta, self._lo), self._hi)
+        cls = 1 if num_tokens >= self._theta else 0
+        work, requests = self._work, self._requests
+        work[0] *= self._work_decay
+        work[1] *= self._work_decay
+        requests[0] *= self._request_decay
+        requests[1] *= self._request_decay
+        work[cls] += self._work_s(num_tokens)
+        requests[cls] += 1.0
 
 
 def queue_wait_s(
@@ -153,12 +203,31 @@ def prefill_curve(
     return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
 
-def long_pool(prefill_worker_ids: Sequence[str], long_fraction: float) -> frozenset[str]:
-    """Spatial split: the prefill workers (by sorted id) that take LONG requests.
+def long_pool(
+    prefill_worker_ids: Sequence[str], mixed_worker_ids: Sequence[str], num_long: int
+) -> frozenset[str]:
+    """Spatial split: the ``num_long`` workers that take LONG requests, prefill workers
+    first (by sorted id, from the last), then mixed ones (whose decodes a long prompt's
+    chunks would stall)."""
+    ordered = sorted(mixed_worker_ids) + sorted(prefill_worker_ids)
+    num = min(max(num_long, 0), len(ordered))
+    return frozenset(ordered[len(ordered) - num :])
 
-    At least one worker serves each class when there are two or more."""
-    ids = sorted(prefill_worker_ids)
-    if len(ids) < 2:
-        return frozenset(ids)
-    num_long = min(max(round(long_fraction * len(ids)), 1), len(ids) - 1)
-    return frozenset(ids[-num_long:])
+
+def long_pool_size(
+    long_share: float, long_request_share: float, num_hosts: int, current: int | None
+) -> int:
+    """How many of ``num_hosts`` prefilling workers form the LONG pool: the LONG
+    class's share of the work, rounded; the current size (None: none yet) stands while
+    it is within 0.75 of that, so that a share near a half does not move a worker back
+    and forth. A class that still brings ``MIN_CLASS_SHARE`` of the requests keeps a
+    worker of its own while there are two to share."""
+    target = long_share * num_hosts
+    size = current
+    if size is None or size > num_hosts or abs(target - size) > 0.75:
+        size = min(num_hosts, math.floor(target + 0.5))
+    if long_request_share >= MIN_CLASS_SHARE:
+        size = max(size, min(1, num_hosts))
+    if 1.0 - long_request_share >= MIN_CLASS_SHARE and num_hosts >= 2:
+        size = min(size, num_hosts - 1)
+    return size

@@ -28,7 +28,7 @@ import numpy as np
 
 from router.cost_model import CostModel, Profile, QuadCoeffs
 from router.estimator import PeakTable, remaining_tokens
-from router.length import SplitMode, long_pool, prefill_curve, queue_wait_s
+from router.length import SplitMode, long_pool, long_pool_size, prefill_curve, queue_wait_s
 from router.prefix_index import PrefixIndex
 from router.running_sets import RunningEntry, RunningSets
 from router.types import ClusterView, LengthClass, Role, StepSample, WorkerView
@@ -45,7 +45,6 @@ class TableSettings:
     memory_fraction: float
     batch_memory_fraction: float
     colocate_roles: tuple[Role, ...]
-    spatial_long_fraction: float
     use_error_margin: bool
     num_draws: int
     stall_weight: float
@@ -69,6 +68,9 @@ class WorkerTable:
         self.running_sets = RunningSets(lambda: self.sorted_history, rng, settings.num_draws)
         self.workers: tuple[WorkerView, ...] | None = None
         self.prefix_index = PrefixIndex()
+        self.num_long = 0  # the spatial split's LONG pool size (``size_long_pool``)
+        self._sized = False
+        self._num_hosts = 0  # workers that prefill: prefill and mixed
         self._allocate(0)
 
     def _allocate(self, n: int) -> None:
@@ -76,6 +78,7 @@ class WorkerTable:
         self.role = np.zeros(n, dtype=np.int8)
         self.usable = np.zeros(n, dtype=bool)
         self.in_long_pool = np.zeros(n, dtype=bool)
+        self.short_hosts = np.ones(n, dtype=bool)  # where a SHORT prompt may prefill
         self.pa, self.pb, self.pc = zeros(), zeros(), zeros()
         self.wait_short_s, self.wait_long_s = zeros(), zeros()
         self.bandwidth = np.ones(n)
@@ -138,13 +141,32 @@ class WorkerTable:
     def _rebuild(self, workers: Sequence[WorkerView]) -> None:
         self._allocate(len(workers))
         self.workers = tuple(workers)
-        prefill_ids = [w.worker_id for w in workers if w.role is Role.PREFILL]
-        long_ids = long_pool(prefill_ids, self.settings.spatial_long_fraction)
         self.prefix_index.reset([frozenset()] * len(workers))
         self._draw_tables(workers)
         for i, w in enumerate(workers):
-            self.in_long_pool[i] = w.worker_id in long_ids
             self._fill_row(i, w)
+        self._split_hosts(self.num_long)
+
+    def size_long_pool(self, long_share: float, long_request_share: float) -> None:
+        """Spatial split: the LONG pool sized to the LONG class's share of the work
+        (``length.long_pool_size``), among the workers that prefill."""
+        num_hosts = self._num_hosts
+        current = min(self.num_long, num_hosts) if self._sized else None
+        num = long_pool_size(long_share, long_request_share, num_hosts, current)
+        self._sized = True
+        if num != self.num_long:
+            self._split_hosts(num)
+
+    def _split_hosts(self, num_long: int) -> None:
+        workers = self.workers or ()
+        prefill = [w.worker_id for w in workers if w.role is Role.PREFILL]
+        mixed = [w.worker_id for w in workers if w.role is Role.MIXED]
+        self._num_hosts = len(prefill) + len(mixed)
+        self.num_long = min(num_long, self._num_hosts)
+        long_ids = long_pool(prefill, mixed, self.num_long)
+        self.in_long_pool[:] = [w.worker_id in long_ids for w in workers]
+        # With every prefilling worker in the LONG pool, a SHORT prompt goes anywhere.
+        self.short_hosts[:] = ~self.in_long_pool if self.num_long < self._num_hosts else True
 
     def _fill_row(self, i: int, w: WorkerView) -> None:
         # Each value is computed once as a Python float and stored; nothing is read back

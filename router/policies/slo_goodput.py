@@ -110,7 +110,7 @@ class SloGoodput:
     min_retry_after_s: float = 1.0
     colocate_roles: tuple[Role, ...] = (Role.MIXED, Role.DECODE)
     stall_weight: float = 1.0
-    spatial_long_fraction: float = 0.25
+    prior_long_share: float = 0.25  # its own classifier's, before any request is seen
     prior_output_len: int = 1024
     history_window: int = 200
     num_draws: int = 5
@@ -131,6 +131,7 @@ class SloGoodput:
     _ring_next: int = field(init=False, repr=False, default=0)
     _mean_output_len: float = field(init=False, repr=False, default=1.0)
     _observes: bool = field(init=False, repr=False, default=True)
+    _spatial: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
         match self.profile:
@@ -147,7 +148,6 @@ class SloGoodput:
             memory_fraction=self.memory_fraction,
             batch_memory_fraction=self.batch_memory_fraction,
             colocate_roles=tuple(self.colocate_roles),
-            spatial_long_fraction=self.spatial_long_fraction,
             use_error_margin=self.use_error_margin,
             num_draws=self.num_draws,
             stall_weight=self.stall_weight,
@@ -155,8 +155,11 @@ class SloGoodput:
         self._table = WorkerTable(settings, self.cost_model, rng)
         self._observes = self.classifier is None
         self._classifier = self.classifier or LengthClassifier(
-            self._profile.prefill, self.length_threshold_tokens
+            self._profile.prefill,
+            self.length_threshold_tokens,
+            prior_long_share=self.prior_long_share,
         )
+        self._spatial = settings.split_mode is SplitMode.SPATIAL
         self._ring_u = rng.random((_CANDIDATE_RING, self.num_draws))
         self._refresh_history(())
         self._encode_fit = EncodeFit(self._profile.encode)
@@ -184,6 +187,9 @@ class SloGoodput:
         if lengths is not self._history_source and lengths != self._history_source:
             self._refresh_history(lengths)
         self._table.sync(view)
+        if self._spatial:
+            c = self._classifier
+            self._table.size_long_pool(c.long_share, c.long_request_share)
 
     def pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
         """Each role's load against its target, averaged over its usable workers, for
@@ -348,17 +354,22 @@ class SloGoodput:
 
     def _prefill_penalty(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray:
         """0 on the prefill workers this request may use, inf elsewhere."""
-        if self.length_split != SplitMode.SPATIAL:
+        if not self._spatial:
             return t.prefill_penalty
         pool = np.where(t.in_long_pool == is_long, t.prefill_penalty, np.inf)
         return pool if _any(np.isfinite(pool)) else t.prefill_penalty
 
     def _may_colocate(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray | bool:
-        """Spatial split with a long pool: a long prompt prefills only there, never on a
-        colocated host, where it would hold up that host's short prefills."""
-        if self.length_split != SplitMode.SPATIAL or not _any(t.in_long_pool):
+        """Spatial split with a long pool: a long prompt prefills only there (on a
+        mixed worker of the pool, colocated), never on another colocated host, where it
+        would hold up that host's short prefills; a short one stays out of the pool."""
+        if not self._spatial or not _any(t.in_long_pool):
             return True
-        return np.logical_not(is_long)
+        match is_long:
+            case np.ndarray():
+                return np.where(is_long, t.in_long_pool, t.short_hosts)
+            case _:
+                return t.in_long_pool if is_long else t.short_hosts
 
     def _prefill_tokens(self, profile: RequestProfile) -> np.ndarray | float:
         """Effective prefill tokens: per worker from the prefix digests, else the gateway's."""

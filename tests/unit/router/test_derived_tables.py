@@ -33,7 +33,6 @@ def _settings(num_draws: int = 5) -> TableSettings:
         memory_fraction=0.95,
         batch_memory_fraction=0.8,
         colocate_roles=(Role.MIXED, Role.DECODE),
-        spatial_long_fraction=0.25,
         use_error_margin=True,
         num_draws=num_draws,
         stall_weight=1.0,

@@ -12,6 +12,7 @@ from router.length import (
     SplitMode,
     effective_prefill_tokens,
     long_pool,
+    long_pool_size,
     queue_wait_s,
 )
 from router.types import LengthClass, RequestProfile
@@ -77,11 +78,54 @@ def test_temporal_queues_let_short_requests_skip_long_work() -> None:
     )
 
 
-def test_long_pool_keeps_both_classes_served() -> None:
-    ids = [f"p{i}" for i in range(8)]
-    assert long_pool(ids, 0.25) == {"p6", "p7"}
-    assert long_pool(ids[:2], 0.9) == {"p1"}  # at least one short worker stays
-    assert long_pool(ids[:2], 0.0) == {"p1"}  # and at least one long one
+def test_long_pool_takes_prefill_workers_first_then_mixed_ones() -> None:
+    prefill, mixed = ["p1", "p0", "p2"], ["m1", "m0"]
+    assert long_pool(prefill, mixed, 2) == {"p1", "p2"}  # by sorted id, from the last
+    assert long_pool(prefill, mixed, 4) == {"p0", "p1", "p2", "m1"}
+    assert long_pool(prefill, mixed, 9) == {"p0", "p1", "p2", "m0", "m1"}
+    assert long_pool(prefill, mixed, 0) == frozenset()
+    assert long_pool([], mixed, 1) == {"m1"}
+
+
+def test_long_pool_size_follows_the_share_and_holds_near_a_boundary() -> None:
+    assert long_pool_size(1.0, 1.0, 2, current=1) == 2  # only long work: every host
+    assert long_pool_size(0.0, 0.0, 4, current=1) == 0  # no long work: no pool
+    assert long_pool_size(0.66, 0.2, 10, current=2) == 7
+    # Within 0.75 of the target the size stands (target 1.6 from 1; 1.3 from 2) ...
+    assert long_pool_size(0.8, 0.5, 2, current=1) == 1
+    assert long_pool_size(0.65, 1.0, 2, current=2) == 2
+    # ... past it, it moves to the rounded target; never past the hosts there are.
+    assert long_pool_size(0.9, 1.0, 2, current=1) == 2
+    assert long_pool_size(0.5, 0.5, 3, current=5) == 2
+    assert long_pool_size(0.25, 0.1, 2, current=None) == 1  # the first size: rounded
+
+
+def test_a_class_that_brings_requests_keeps_a_worker_of_its_own() -> None:
+    # 45% of requests are long and carry 95% of the work: the short ones keep one.
+    assert long_pool_size(0.95, 0.45, 2, current=None) == 1
+    assert long_pool_size(0.95, 0.45, 8, current=None) == 7
+    # 20% long carrying 4% of the work: the long ones keep one (never colocated).
+    assert long_pool_size(0.04, 0.2, 4, current=None) == 1
+    assert long_pool_size(0.04, 0.2, 1, current=None) == 1
+    # Under MIN_CLASS_SHARE of the requests, a class keeps nothing of its own.
+    assert long_pool_size(0.99, 0.99, 2, current=None) == 2
+    assert long_pool_size(0.01, 0.01, 2, current=None) == 0
+
+
+def test_long_share_is_the_long_class_share_of_recent_prefill_work() -> None:
+    cls = LengthClassifier(FLAT_THEN_LINEAR, threshold_tokens=200, share_window=50)
+    assert cls.long_share == pytest.approx(0.25)  # the prior before any request
+    assert cls.long_request_share == pytest.approx(0.25)
+    for _ in range(200):  # nine 100-token prompts (0.03 s each), one of 1800 (0.2 s)
+        for _ in range(9):
+            cls.observe(100)
+        cls.observe(1800)
+    # Weighted by work, not by count: 0.2 / (0.2 + 9 x 0.03), within the decay's tilt.
+    assert cls.long_share == pytest.approx(0.2 / 0.47, abs=0.03)
+    assert cls.long_request_share == pytest.approx(0.1, abs=0.03)
+    for _ in range(300):  # the traffic turns long: the share follows within a few windows
+        cls.observe(1800)
+    assert cls.long_share > 0.99 and cls.long_request_share > 0.99
 
 
 def test_batched_prefill_pays_the_fixed_overhead_once_per_step() -> None:

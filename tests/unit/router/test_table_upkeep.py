@@ -307,7 +307,6 @@ def test_rows_equal_the_replaced_fill_on_random_traffic(
         memory_fraction=0.95,
         batch_memory_fraction=0.8,
         colocate_roles=(Role.MIXED, Role.DECODE),
-        spatial_long_fraction=0.25,
         use_error_margin=True,
         num_draws=5,
         stall_weight=1.0,
