@@ -36,7 +36,11 @@ targets. Pressure is taken to scale as ``1/pool size``. Both ways:
   the same way (never emptying the encode pool).
 
 A worker that flipped stays in its role for ``min_dwell_s`` (``choose_flip``
-skips it); the drain before a flip is the applier's (controller or simulator).
+skips it), and no flip undoes the last one (another worker, the other way) within
+``min_dwell_s``: the pressures right after a flip still carry the queues it was
+made for (live, on 2 prefill + 2 decode workers, decode -> prefill was followed two
+seconds later by prefill -> decode, and back again). The drain before a flip is
+the applier's (controller or simulator).
 """
 
 from __future__ import annotations
@@ -161,6 +165,18 @@ class Flip(enum.StrEnum):
     MIXED_TO_DECODE = "mixed_to_decode"
 
 
+_REVERSE = {
+    Flip.DECODE_TO_PREFILL: Flip.PREFILL_TO_DECODE,
+    Flip.PREFILL_TO_DECODE: Flip.DECODE_TO_PREFILL,
+    Flip.ENCODE_TO_PREFILL: Flip.PREFILL_TO_ENCODE,
+    Flip.PREFILL_TO_ENCODE: Flip.ENCODE_TO_PREFILL,
+    Flip.PREFILL_TO_MIXED: Flip.MIXED_TO_PREFILL,
+    Flip.MIXED_TO_PREFILL: Flip.PREFILL_TO_MIXED,
+    Flip.DECODE_TO_MIXED: Flip.MIXED_TO_DECODE,
+    Flip.MIXED_TO_DECODE: Flip.DECODE_TO_MIXED,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class RolePressure:
     """One interval's observations; 1.0 means exactly at target."""
@@ -207,6 +223,7 @@ class RatioPlanner:
         self.hysteresis = hysteresis
         self.min_dwell_s = 3 * interval_s if min_dwell_s is None else min_dwell_s
         self._last_flip_s = -math.inf
+        self._last_flip = Flip.NONE
         self._flipped_s: dict[str, float] = {}  # worker -> when it last flipped
 
     def decide(
@@ -230,8 +247,12 @@ class RatioPlanner:
             flip = self._between_pools(pressure, num_prefill, num_decode)
         if flip is Flip.NONE:
             flip = self._to_mixed(pressure, num_prefill, num_decode, num_mixed)
-        if flip is not Flip.NONE:
-            self._last_flip_s = now_s
+        if flip is Flip.NONE:
+            return flip
+        if _REVERSE[flip] is self._last_flip and now_s - self._last_flip_s < self.min_dwell_s:
+            return Flip.NONE
+        self._last_flip_s = now_s
+        self._last_flip = flip
         return flip
 
     def _encode_flip(

@@ -48,11 +48,22 @@ def _pressure(ttft_ratio: float, decode_ratio: float) -> RolePressure:
 
 
 def test_flip_toward_the_pressed_role_once_per_interval() -> None:
-    planner = RatioPlanner(interval_s=10.0, hysteresis=0.1)
+    planner = RatioPlanner(interval_s=10.0, hysteresis=0.1, min_dwell_s=10.0)
     # Prefill at 1.5× its target, decode at 0.3: moving one of 4 decoders helps.
     assert planner.decide(0.0, _pressure(1.5, 0.3), 2, 4) is Flip.DECODE_TO_PREFILL
     assert planner.decide(5.0, _pressure(1.5, 0.3), 3, 3) is Flip.NONE  # same interval
     assert planner.decide(10.0, _pressure(0.2, 1.4), 3, 3) is Flip.PREFILL_TO_DECODE
+
+
+def test_no_flip_undoes_the_last_one_within_the_dwell() -> None:
+    planner = RatioPlanner(interval_s=1.0, hysteresis=0.1, min_dwell_s=10.0)
+    assert planner.decide(0.0, _pressure(1.5, 0.3), 2, 4) is Flip.DECODE_TO_PREFILL
+    # Two seconds on, the new prefill worker has emptied the queues it was moved for
+    # and decode looks pressed: moving another worker back would undo it.
+    assert planner.decide(2.0, _pressure(0.2, 1.4), 3, 3) is Flip.NONE
+    assert planner.decide(3.0, _pressure(1.5, 0.3), 3, 3) is Flip.DECODE_TO_PREFILL  # onward
+    assert planner.decide(12.0, _pressure(0.2, 1.4), 4, 2) is Flip.NONE  # 9 s since
+    assert planner.decide(13.0, _pressure(0.2, 1.4), 4, 2) is Flip.PREFILL_TO_DECODE
 
 
 def test_no_flip_inside_the_hysteresis_band_or_that_empties_a_pool() -> None:
@@ -69,7 +80,7 @@ def _mixed(p: float, d: float, mixed_ttft: float, mixed_tpot: float) -> RolePres
 
 
 def test_two_workers_move_from_1p1d_to_two_mixed_and_back() -> None:
-    planner = RatioPlanner(interval_s=1.0, hysteresis=0.1)
+    planner = RatioPlanner(interval_s=1.0, hysteresis=0.1, min_dwell_s=1.0)
     # Decode-heavy on 1P+1D: the idle prefill worker joins decoding first ...
     assert planner.decide(0.0, _mixed(0.2, 2.0, 0.0, 0.0), 1, 1) is Flip.PREFILL_TO_MIXED
     # ... then, the mixed one having room, the decode worker pools with it: 2 mixed.
@@ -142,7 +153,7 @@ def test_pressure_from_a_view_drives_the_flip() -> None:
 
 
 def test_encode_pressure_moves_a_worker_between_the_encode_and_prefill_pools() -> None:
-    planner = RatioPlanner(interval_s=10.0, hysteresis=0.1)
+    planner = RatioPlanner(interval_s=10.0, hysteresis=0.1, min_dwell_s=10.0)
     # Encode queues at 1.2 of the TTFT target, prefill at 0.3, decode at 0.3: one of
     # the 4 prefill workers encodes: max(1.2·2/3, 0.3·4/3) = 0.8 < 1.2 - 0.1.
     swamped = replace(_pressure(0.3, 0.3), encode_wait_s=1.2 * 1.0)
