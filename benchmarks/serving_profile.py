@@ -83,6 +83,7 @@ RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
     ("/services/backends/", None, "engine.output"),
     ("/services/workers/loop.py", None, "worker.loop"),
     ("/services/workers/telemetry.py", None, "worker.loop"),
+    ("/services/workers/transfers.py", None, "worker.loop"),
     ("/services/workers/", None, "transport"),
     ("/ray/", None, "transport"),
     # A thread waking an event loop: Ray completing an awaited object, a worker's events

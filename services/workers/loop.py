@@ -17,20 +17,22 @@ Results leave through two callbacks (``on_events``, ``on_snapshot``) that the
 asyncio side of the worker turns into stream items: one call carries all the
 events of an iteration, so a step of 16 decoding requests crosses the thread
 (and then the process) boundary once, not 16 times.
+
+The loop makes every engine call; the books of what is moving live beside it, each
+called only from this thread: KV pulls and holds in transfers.py, image embeddings in
+images.py, and when to publish a snapshot in telemetry.py.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any
 
 from kvtransfer.connector import KVConnector
 from kvtransfer.types import BlockHandle, TransferState
@@ -49,26 +51,20 @@ from services.workers.messages import (
     FailureKind,
     Generate,
     Job,
-    KVPulled,
     RequestFailed,
     TokenDelta,
     WorkerEvent,
     WorkerSnapshot,
 )
-from services.workers.telemetry import LoopState, build_snapshot
+from services.workers.telemetry import SnapshotPublisher
+from services.workers.transfers import KVTransfers
 
 __all__ = ["EngineLoop"]
 
 log = logging.getLogger(__name__)
 
-KV_REGION = "kv"
 _IDLE_POLL_S = 0.0005  # while a pull is in flight
 _HELD_POLL_S = 0.01  # an engine that moves its own KV holds blocks for a decoder
-# A snapshot after an admission or a finish goes out this much later, so that its
-# serialisation does not compete with the token that caused it; and no more often
-# than every _MIN_PUBLISH_GAP_S under load.
-_PUBLISH_DELAY_S = 0.002
-_MIN_PUBLISH_GAP_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +90,6 @@ class _TakeSnapshot:
 _Command = _Submit | _Abort | _ReleaseHeld | _TakeSnapshot
 
 
-@dataclass(slots=True)
-class _Pull:
-    request_id: str
-    transfer_id: str
-    num_bytes: int
-    started_s: float
-
-
 class EngineLoop:
     def __init__(
         self,
@@ -122,31 +110,25 @@ class EngineLoop:
         self._connector = connector
         self._on_events = on_events
         self._outbox: list[WorkerEvent] = []  # this iteration's events, sent together
-        self._on_snapshot = on_snapshot
-        self._role_state = role_state
-        self._interval_s = telemetry_interval_s
-        self._max_num_seqs = max_num_seqs
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._active: set[str] = set()  # in the engine: waiting, running or adopting
-        self._pulls: dict[str, _Pull] = {}  # transfer_id -> pull
-        self._held: dict[str, str] = {}  # request_id -> transfer_id of its hold
-        # An engine that moves its own KV (vLLM) pulls inside its step: a Continue is
-        # an add_request with the handle's payload, and the pull counts as done at the
-        # request's first output.
-        self._moves_own_kv = bool(getattr(engine, "moves_own_kv", False))
-        self._own_pulls: dict[str, _Pull] = {}  # request_id -> pull
-        self._seq = 0
-        self._num_finished = 0
-        self._last_publish_s = 0.0
-        self._dirty = True
-        self._dirty_since_s = 0.0
-        if connector is not None and not self._moves_own_kv:
-            connector.register(KV_REGION, engine.kv_storage, engine.kv_layout)
+        # KV blocks (region "kv"): pulled here as a decode worker, held here as a
+        # prefill worker (services/workers/transfers.py).
+        self._kv = KVTransfers(worker_id, engine, connector, on_release=self._release_held)
         # The encode role's embeddings (region "mm"): held here as an encode worker,
         # pulled here as a prefill worker (services/workers/images.py).
         self._images = ImageStage(worker_id, engine, connector)
+        self._telemetry = SnapshotPublisher(
+            worker_id,
+            engine,
+            on_snapshot=on_snapshot,
+            role_state=role_state,
+            num_pending_pulls=self._num_pending_pulls,
+            interval_s=telemetry_interval_s,
+            max_num_seqs=max_num_seqs,
+        )
         self._beat_s = time.monotonic()  # the loop's heartbeat: set every iteration
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
 
@@ -203,7 +185,7 @@ class EngineLoop:
                 outputs = self._step()
                 self._deliver(outputs)
                 self._send_events()
-                self._publish_if_due()
+                self._telemetry.publish_if_due()
             except Exception as e:
                 self._recover(e)
                 self._send_events()
@@ -231,9 +213,8 @@ class EngineLoop:
                 log.exception("worker %s: abort of %s failed", self._worker_id, request_id)
             self._fail(request_id, FailureKind.INTERNAL, message)
         self._active.clear()
-        self._pulls.clear()
-        self._own_pulls.clear()
-        self._touch()
+        self._kv.clear_pulls()
+        self._telemetry.touch()
 
     def _step(self) -> list[RequestOutput]:
         if self._engine.has_unfinished():
@@ -243,17 +224,17 @@ class EngineLoop:
         return []
 
     def _own_holds(self) -> bool:
-        return self._moves_own_kv and bool(getattr(self._engine, "holds_blocks", bool)())
+        return self._kv.moves_own_kv and bool(getattr(self._engine, "holds_blocks", bool)())
 
     def _wait_for_work(self) -> None:
-        if self._pulls or self._images.num_pending_pulls:
+        if self._num_pending_pulls():
             timeout_s = _IDLE_POLL_S
         elif self._engine.has_unfinished():
             timeout_s = 0.001  # blocked on capacity: look again soon
         elif self._own_holds():
             timeout_s = _HELD_POLL_S
         else:
-            timeout_s = max(0.0, self._next_publish_s() - time.monotonic())
+            timeout_s = max(0.0, self._telemetry.next_publish_s() - time.monotonic())
         self._wake.wait(timeout_s)
         self._wake.clear()
 
@@ -270,18 +251,18 @@ class EngineLoop:
                     self._add(request)
                 case _Submit(job=Encode(request=request)):
                     self._emit(self._images.encode(request))
-                    self._touch()
+                    self._telemetry.touch()
                 case _Submit(job=Continue() as job):
                     self._adopt_and_pull(job)
                 case _Abort(request_id=request_id):
                     self._abort(request_id)
                 case _ReleaseHeld(request_id=request_id):
-                    self._held.pop(request_id, None)
+                    self._kv.forget_hold(request_id)
                     self._engine.release_held(request_id)
-                    self._touch()
+                    self._telemetry.touch()
                 case _TakeSnapshot(reply=reply):
-                    reply.set_result(self._take_snapshot())
-                    self._touch()
+                    reply.set_result(self._telemetry.take())
+                    self._telemetry.touch()
 
     def _add(self, request: EngineRequest) -> None:
         request_id = request.request_id
@@ -294,7 +275,7 @@ class EngineLoop:
             self._fail(request_id, FailureKind.CAPACITY, str(e))
             return
         self._active.add(request_id)
-        self._touch()
+        self._telemetry.touch()
 
     def _pull_images(self, job: Generate) -> None:
         failed = self._images.start_pull(job)
@@ -303,14 +284,12 @@ class EngineLoop:
 
     def _adopt_and_pull(self, job: Continue) -> None:
         request_id = job.request.request_id
-        if self._moves_own_kv:
+        if self._kv.moves_own_kv:
             self._add(replace(job.request, remote_kv=job.handle.payload))
             if request_id in self._active:
-                num_bytes = len(job.request.prompt_token_ids) * _bytes_per_token(job.handle)
-                self._own_pulls[request_id] = _Pull(request_id, "", num_bytes, time.monotonic())
+                self._kv.expect_own_pull(job)
             return
-        connector = self._connector
-        if connector is None:
+        if self._connector is None:
             self._fail(request_id, FailureKind.INTERNAL, "this worker has no KV connector")
             return
         try:
@@ -322,55 +301,29 @@ class EngineLoop:
             self._fail(request_id, FailureKind.CAPACITY, str(e))
             return
         self._active.add(request_id)
-        try:
-            transfer_id = connector.pull(job.handle, KV_REGION, block_ids)
-        except Exception as e:  # KVTransferError, or NIXL's or torch's own: this request only
+        failed = self._kv.pull(job, block_ids)
+        if failed is not None:
             self._engine.abort(request_id)
             self._active.discard(request_id)
-            self._fail(request_id, FailureKind.TRANSFER, f"KV pull failed: {e}")
-            return
-        num_bytes = len(job.handle.block_ids) * job.handle.layout.block_bytes
-        self._pulls[transfer_id] = _Pull(request_id, transfer_id, num_bytes, time.monotonic())
+            self._emit(failed)
 
     def _abort(self, request_id: str) -> None:
-        self._own_pulls.pop(request_id, None)
-        for transfer_id, pull in list(self._pulls.items()):
-            if pull.request_id == request_id:
-                del self._pulls[transfer_id]
         if request_id in self._active:
             self._engine.abort(request_id)
             self._active.discard(request_id)
-            self._touch()
-        hold_id = self._held.get(request_id)
-        if hold_id is not None and self._connector is not None:
-            self._connector.release(hold_id)  # fires on_release -> _ReleaseHeld
+            self._telemetry.touch()
+        self._kv.abort(request_id)  # a hold's release fires on_release -> _ReleaseHeld
         self._images.abort(request_id)
 
     def _progress_transfers(self) -> None:
         if self._connector is None:
             return
-        # A transfer error (NIXL's, torch's) fails the transfers it touches, never the
-        # engine: the gateway re-places those requests from their committed tokens.
-        try:
-            self._connector.progress()
-        except Exception:
-            log.exception("worker %s: KV connector progress failed", self._worker_id)
-            failed: TransferState | None = TransferState.FAILED
-        else:
-            failed = None
-        for transfer_id, pull in list(self._pulls.items()):
-            try:
-                state = failed or self._connector.poll(transfer_id)
-            except Exception:
-                log.exception("worker %s: polling transfer %s failed", self._worker_id, transfer_id)
-                state = TransferState.FAILED
-            if not state.is_final:
-                continue
-            del self._pulls[transfer_id]
+        # A failed transfer fails its request, never the engine: the gateway re-places
+        # it from its committed tokens.
+        for pull, state in self._kv.progress():
             if state is TransferState.DONE:
                 self._engine.start_adopted(pull.request_id)
-                duration_s = time.monotonic() - pull.started_s
-                self._emit(KVPulled(pull.request_id, pull.num_bytes, duration_s))
+                self._emit(pull.landed())
             else:
                 self._engine.abort(pull.request_id)
                 self._active.discard(pull.request_id)
@@ -383,50 +336,34 @@ class EngineLoop:
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:
             handle = None
-            pull = self._own_pulls.pop(out.request_id, None)
-            if pull is not None:
-                duration_s = time.monotonic() - pull.started_s
-                self._emit(KVPulled(out.request_id, pull.num_bytes, duration_s))
+            pulled = self._kv.own_pull_landed(out.request_id)
+            if pulled is not None:
+                self._emit(pulled)
             if out.remote_kv is not None:
-                handle = self._remote_handle(out.request_id, out.remote_kv)
+                handle = self._kv.remote_handle(out.request_id, out.remote_kv)
             elif out.held_kv is not None:
                 handle = self._hold(out.request_id, out.held_kv.block_ids)
                 if handle is None:
                     continue
             if out.finished:
                 self._active.discard(out.request_id)
-                self._num_finished += 1
-                self._touch()
+                self._telemetry.count_finished()
             self._emit(_to_delta(out, handle, self._worker_id))
 
     def _hold(self, request_id: str, block_ids: Sequence[int]) -> BlockHandle | None:
-        connector = self._connector
-        if connector is None:
+        if self._connector is None:
             self._engine.release_held(request_id)
             self._fail(request_id, FailureKind.INTERNAL, "prefill-only needs a KV connector")
             return None
-        on_release = functools.partial(self._release_from_connector, request_id)
-        handle = connector.hold(KV_REGION, block_ids, on_release=on_release)
-        self._held[request_id] = handle.transfer_id
-        return handle
+        return self._kv.hold(request_id, block_ids)
 
-    def _remote_handle(self, request_id: str, payload: Mapping[str, Any]) -> BlockHandle:
-        """A handle that carries the engine's own transfer parameters (no block list)."""
-        return BlockHandle(
-            backend="engine",
-            agent=self._worker_id,
-            region=KV_REGION,
-            transfer_id=request_id,
-            block_ids=(),
-            layout=self._engine.kv_layout,
-            expires_at_s=0.0,  # the engine enforces its own lease
-            payload=dict(payload),
-        )
-
-    def _release_from_connector(self, request_id: str, _block_ids: Sequence[int]) -> None:
-        # The connector may call this from its own thread: the engine is only
-        # touched from the loop, so queue it.
+    def _release_held(self, request_id: str) -> None:
+        # A hold ended, maybe on the connector's thread: the engine is only touched
+        # from the loop, so queue it.
         self._put(_ReleaseHeld(request_id))
+
+    def _num_pending_pulls(self) -> int:
+        return self._kv.num_pending_pulls + self._images.num_pending_pulls
 
     def _emit(self, event: WorkerEvent) -> None:
         self._outbox.append(event)
@@ -440,48 +377,6 @@ class EngineLoop:
         self, request_id: str, kind: FailureKind, message: str, param: str | None = None
     ) -> None:
         self._emit(RequestFailed(request_id, kind, message, param))
-
-    # -- telemetry -------------------------------------------------------------------
-    def _publish_if_due(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_publish_s():
-            self._on_snapshot(self._take_snapshot())
-            self._dirty = False
-            self._last_publish_s = now
-
-    def _touch(self) -> None:
-        if not self._dirty:
-            self._dirty = True
-            self._dirty_since_s = time.monotonic()
-
-    def _next_publish_s(self) -> float:
-        periodic_s = self._last_publish_s + self._interval_s
-        if not self._dirty:
-            return periodic_s
-        soon_s = max(
-            self._dirty_since_s + _PUBLISH_DELAY_S, self._last_publish_s + _MIN_PUBLISH_GAP_S
-        )
-        return min(soon_s, periodic_s)
-
-    def _take_snapshot(self) -> WorkerSnapshot:
-        role, draining = self._role_state()
-        self._seq += 1
-        return build_snapshot(
-            self._engine,
-            LoopState(
-                worker_id=self._worker_id,
-                role=role,
-                draining=draining,
-                seq=self._seq,
-                num_pending_pulls=len(self._pulls) + self._images.num_pending_pulls,
-                num_finished_requests=self._num_finished,
-                max_num_seqs=self._max_num_seqs,
-            ),
-        )
-
-
-def _bytes_per_token(handle: BlockHandle) -> int:
-    return handle.layout.block_bytes // handle.layout.block_size
 
 
 def _to_delta(out: RequestOutput, handle: BlockHandle | None, worker_id: str) -> TokenDelta:
