@@ -90,6 +90,7 @@ RULES: tuple[tuple[str, frozenset[str] | None, str], ...] = (
     ("/asyncio/selector_events.py", frozenset({"_write_to_self"}), "transport"),
     ("/concurrent/futures/thread.py", None, "threadpool"),  # Ray's executors, to_thread
     ("/services/gateway/executor.py", None, "gateway.executor"),
+    ("/services/gateway/plan_runner.py", None, "gateway.executor"),
     ("/services/gateway/state.py", None, "gateway.executor"),
     ("/router/", None, "gateway.executor"),
     ("/services/gateway/respond.py", None, "gateway.sse"),

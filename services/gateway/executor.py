@@ -4,17 +4,8 @@
                    (held requests wait in the hold line, then a 429);
                    the plan stays reserved on a worker until that worker's first
                    event (its telemetry counts the request from then on)
-    encode         a plan with an encode worker (a request with images): Encode on it
-                   -> a handle on the embeddings it holds; the prefilling worker
-                   pulls them (Generate(request, images=handle)) before it prefills.
-                   A plan that splits the images over several encode workers sends
-                   each its part at once; the prefilling worker pulls every part
-                   (``more_images``) and starts when the last has landed.
-                   Without one the prefilling worker encodes the images itself
-    colocated      Generate(request) on one worker; stream its deltas
-    disaggregated  Generate(prefill_only) on the prefill worker -> first token
-                   (streamed at once) + BlockHandle; Continue(request, handle)
-                   on the decode worker, which pulls the KV and decodes
+    run            plan_runner.py: the plan on its workers (encode, colocated or
+                   disaggregated), their streams as one
     re-plan        a worker died or a pull failed: place again; with tokens
                    already streamed, the prompt plus those tokens run on a live
                    worker and decoding continues, so the client sees one stream
@@ -23,9 +14,9 @@
                    back (an incomplete UTF-8 character, a possible stop string)
 
 Every worker a request touched is told to abort it if the request does not end
-normally (client hung up, error): its blocks, held ones included, are freed. However
-the request ends, the router is told (``release``), and a finished KV pull is
-reported to it (``observe_transfer``) so that it prices links as they perform.
+normally (client hung up, error): its blocks, held ones included, are freed
+(plan_runner.py). However the request ends, the router is told (``release``); when
+it finishes, also what its first placement showed (``observe_outcome``).
 """
 
 from __future__ import annotations
@@ -34,40 +25,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
-from kvtransfer.types import BlockHandle
 from router.correction import Outcome
 from router.front_door import Router
 from router.types import SLO, Plan, Priority, RequestProfile
 from services.engine.block_hash import compute_block_hashes, image_hash_token_ids
-from services.engine.messages import EngineRequest, FinishReason, ImageInput, SamplingParams
+from services.engine.messages import FinishReason, ImageInput, SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.errors import BadRequest, ServiceFailure
-from services.gateway.placement import HoldSettings, Placer, unreserve
+from services.gateway.errors import ServiceFailure
+from services.gateway.placement import HoldSettings, Placer
+from services.gateway.plan_runner import AttemptFailed, PlanRunner
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient, WorkerDiedError
-from services.workers.messages import (
-    Continue,
-    Encode,
-    FailureKind,
-    Generate,
-    ImagesEncoded,
-    ImagesPulled,
-    Job,
-    KVPulled,
-    RequestFailed,
-    TokenDelta,
-    WorkerEvent,
-)
+from services.workers.messages import FailureKind, TokenDelta
 
 __all__ = ["ExecutorConfig", "PlanExecutor"]
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +117,6 @@ def _met(observed_s: float | None, target_s: float | None) -> bool | None:
     return observed_s <= target_s
 
 
-class _AttemptFailed(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 class PlanExecutor:
     def __init__(
         self,
@@ -158,7 +129,6 @@ class PlanExecutor:
     ) -> None:
         self._tokenizer = tokenizer
         self._router = router
-        self._clients = clients
         self._metrics = metrics
         self._config = config
         self._on_worker_died = on_worker_died
@@ -168,6 +138,7 @@ class PlanExecutor:
             metrics,
             config.hold,
         )
+        self._runner = PlanRunner(router, clients, metrics, config.kv_backend)
 
     def use_policy(self, name: str) -> None:
         """Place requests with the policy ``name`` from now on (placed ones are unaffected)."""
@@ -247,7 +218,7 @@ class PlanExecutor:
                 self._metrics.stage_s.labels("queue").observe(trace.placed_s - profile.arrival_s)
             else:
                 trace.replaced = True
-            stream = self._execute(
+            stream = self._runner.run(
                 plan, request_id, attempt_id, prompt_token_ids, tuple(generated), sampling, images
             )
             try:
@@ -263,7 +234,7 @@ class PlanExecutor:
                 log.warning("request %s: %s; re-planning", request_id, e)
                 self._on_worker_died(e.worker_id)
                 reason = "worker_died"
-            except _AttemptFailed as e:
+            except AttemptFailed as e:
                 reason = e.reason
             self._metrics.retries.labels(reason).inc()
             attempt += 1
@@ -285,252 +256,6 @@ class PlanExecutor:
             return ()
         spans = [(i.offset, i.num_tokens, i.content_hash) for i in images]
         return tuple(compute_block_hashes(image_hash_token_ids(prompt, spans), block_size))
-
-    # -- execution ----------------------------------------------------------------------
-    async def _execute(
-        self,
-        plan: Plan,
-        placed_id: str,
-        request_id: str,
-        prompt: tuple[int, ...],
-        generated: tuple[int, ...],
-        sampling: SamplingParams,
-        images: tuple[ImageInput, ...],
-    ) -> AsyncGenerator[TokenDelta, None]:
-        """Run one placement; ``placed_id`` names its reservation in the router,
-        ``request_id`` the request on the workers (attempts differ)."""
-        embeddings: tuple[BlockHandle, ...] = ()
-        parts = plan.encode_split(len(images)) if images and not generated else ()
-        try:
-            if parts:
-                encodes = (
-                    self._encode(wid, placed_id, request_id, prompt, sampling, images[i:j])
-                    for wid, i, j in parts
-                )
-                embeddings = tuple(await _all_or_none(encodes))
-            body = self._run_plan(
-                plan, placed_id, request_id, prompt, generated, sampling, images, embeddings
-            )
-            async with _closing(body) as s:
-                async for delta in s:
-                    yield delta
-        finally:
-            for encode_id in dict.fromkeys(wid for wid, _, _ in parts):
-                encode_client = self._clients(encode_id)
-                if encode_client is not None:  # frees the embeddings if nobody pulled them
-                    encode_client.abort(request_id)
-
-    async def _encode(
-        self,
-        encode_id: str,
-        placed_id: str,
-        request_id: str,
-        prompt: tuple[int, ...],
-        sampling: SamplingParams,
-        images: tuple[ImageInput, ...],
-    ) -> BlockHandle:
-        """Encode the images on ``encode_id``; the handle of the embeddings it holds."""
-        client = self._clients(encode_id)
-        if client is None:
-            raise WorkerDiedError(encode_id, "not in the registry")
-        request = EngineRequest(request_id, prompt, sampling, images=images)
-        started_s = time.monotonic()
-        events = client.generate(Encode(request))
-        try:
-            async for event in events:
-                self._router.release(placed_id, encode_id)  # its telemetry counts it now
-                match event:
-                    case ImagesEncoded(handle=handle, duration_s=duration_s):
-                        self._metrics.stage_s.labels("encode").observe(time.monotonic() - started_s)
-                        num_image_tokens = sum(image.num_tokens for image in images)
-                        self._router.observe_encode(encode_id, num_image_tokens, duration_s)
-                        return handle
-                    case RequestFailed(kind=FailureKind.INVALID, message=message, param=param):
-                        raise BadRequest(message, param)
-                    case RequestFailed(kind=kind, message=message):
-                        log.warning("request %s on %s: %s", request_id, encode_id, message)
-                        raise _AttemptFailed(kind.value)
-        finally:
-            await _aclose(events)
-        raise _AttemptFailed("stream_ended")
-
-    async def _run_plan(
-        self,
-        plan: Plan,
-        placed_id: str,
-        request_id: str,
-        prompt: tuple[int, ...],
-        generated: tuple[int, ...],
-        sampling: SamplingParams,
-        images: tuple[ImageInput, ...],
-        embeddings: tuple[BlockHandle, ...],
-    ) -> AsyncGenerator[TokenDelta, None]:
-        if plan.colocated or generated:
-            # A continuation after a failure runs where decoding would have run.
-            worker_id = plan.decode_worker if generated and plan.decode_worker else None
-            worker_id = worker_id or plan.prefill_worker
-            unreserve(self._router, placed_id, plan, keep=worker_id)
-            request = EngineRequest(
-                request_id, prompt, sampling, output_token_ids=generated, images=images
-            )
-            job = _generate(request, embeddings)
-            stream = self._stream(worker_id, job, placed_id, prefill=True)
-            async with _closing(stream) as s:
-                async for delta in s:
-                    yield delta
-            return
-        assert plan.decode_worker is not None
-        disaggregated = self._disaggregated(
-            plan.prefill_worker,
-            plan.decode_worker,
-            placed_id,
-            request_id,
-            prompt,
-            sampling,
-            images,
-            embeddings,
-        )
-        async with _closing(disaggregated) as s:
-            async for delta in s:
-                yield delta
-
-    async def _disaggregated(
-        self,
-        prefill_id: str,
-        decode_id: str,
-        placed_id: str,
-        request_id: str,
-        prompt: tuple[int, ...],
-        sampling: SamplingParams,
-        images: tuple[ImageInput, ...],
-        embeddings: tuple[BlockHandle, ...],
-    ) -> AsyncGenerator[TokenDelta, None]:
-        completed = False
-        try:
-            handle = None
-            first_tokens: tuple[int, ...] = ()
-            request = EngineRequest(request_id, prompt, sampling, prefill_only=True, images=images)
-            prefill_job = _generate(request, embeddings)
-            prefill = self._stream(prefill_id, prefill_job, placed_id, prefill=True)
-            async with _closing(prefill) as s:
-                async for delta in s:
-                    first_tokens += delta.token_ids
-                    if delta.finish_reason is FinishReason.PREFILLED:
-                        handle = delta.handle
-                        delta = replace(delta, finish_reason=None, handle=None)
-                    completed = delta.finish_reason is not None  # done at the first token
-                    yield delta
-            if handle is None:
-                return  # the first token already finished the request
-            # The decoder pulls the prompt's KV; it encodes the images only if a
-            # preemption makes it recompute the prompt.
-            request = EngineRequest(
-                request_id, prompt, sampling, output_token_ids=first_tokens, images=images
-            )
-            started_s = time.monotonic()
-            job = Continue(request, handle)
-            stream = self._stream(decode_id, job, placed_id, prefill=False, pulled_from=prefill_id)
-            async with _closing(stream) as s:
-                async for delta in s:
-                    completed = delta.finish_reason is not None
-                    if completed:
-                        decode_s = time.monotonic() - started_s
-                        self._metrics.stage_s.labels("decode").observe(decode_s)
-                    yield delta
-        finally:
-            self._router.release(placed_id, decode_id)
-            prefill_client = self._clients(prefill_id)
-            if not completed and prefill_client is not None:
-                prefill_client.abort(request_id)  # frees the hold if nobody pulled it
-
-    async def _stream(
-        self,
-        worker_id: str,
-        job: Job,
-        placed_id: str,
-        *,
-        prefill: bool,
-        pulled_from: str | None = None,
-    ) -> AsyncGenerator[TokenDelta, None]:
-        """One worker's events as deltas; failures as exceptions; abort if cut short.
-        The router's reservation of ``placed_id`` on this worker ends at its first event."""
-        client = self._clients(worker_id)
-        if client is None:
-            raise WorkerDiedError(worker_id, "not in the registry")
-        request = job.request
-        started_s = time.monotonic()
-        finished = False
-        first = True
-        events: AsyncIterator[WorkerEvent] | None = None
-        try:
-            events = client.generate(job)
-            async for event in events:
-                if first:
-                    self._router.release(placed_id, worker_id)  # its telemetry counts it now
-                match event:
-                    case TokenDelta() as delta:
-                        if prefill and first:
-                            self._metrics.stage_s.labels("prefill").observe(
-                                time.monotonic() - started_s
-                            )
-                        first = False
-                        finished = delta.finish_reason is not None
-                        yield delta
-                    case ImagesPulled(num_bytes=num_bytes, duration_s=duration_s):
-                        first = False
-                        backend = self._config.kv_backend
-                        self._metrics.transfer_bytes.labels(backend).inc(num_bytes)
-                        self._metrics.transfer_s.labels(backend).observe(duration_s)
-                    case KVPulled(num_bytes=num_bytes, duration_s=duration_s):
-                        first = False
-                        backend = self._config.kv_backend
-                        self._metrics.transfer_bytes.labels(backend).inc(num_bytes)
-                        self._metrics.transfer_s.labels(backend).observe(duration_s)
-                        self._metrics.stage_s.labels("transfer").observe(duration_s)
-                        if pulled_from is not None:
-                            self._router.observe_transfer(
-                                pulled_from, worker_id, num_bytes, duration_s
-                            )
-                    case RequestFailed(kind=FailureKind.INVALID, message=message, param=param):
-                        finished = True
-                        raise BadRequest(message, param)
-                    case RequestFailed(kind=kind, message=message):
-                        finished = True
-                        if kind is FailureKind.TRANSFER:
-                            self._metrics.transfer_failures.labels(self._config.kv_backend).inc()
-                        log.warning("request %s on %s: %s", request.request_id, worker_id, message)
-                        raise _AttemptFailed(kind.value)
-        finally:
-            self._router.release(placed_id, worker_id)
-            if not finished:
-                client.abort(request.request_id)
-            await _aclose(events)
-
-
-def _generate(request: EngineRequest, embeddings: tuple[BlockHandle, ...]) -> Generate:
-    """Generate, pulling first the embeddings of every encode part (none: encode here)."""
-    if not embeddings:
-        return Generate(request)
-    return Generate(request, images=embeddings[0], more_images=embeddings[1:])
-
-
-async def _all_or_none(coros: Iterable[Awaitable[_T]]) -> list[_T]:
-    """Run ``coros`` at once; the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def _aclose(events: object) -> None:
-    """Close a worker's event stream if it can be closed (fakes may give plain iterators)."""
-    aclose = getattr(events, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 def _replaced(profile: RequestProfile, num_generated: int) -> RequestProfile:
@@ -584,6 +309,7 @@ def _detokenize(
     )
 
 
-# Closing a stream closes the streams it reads, down to the worker's: every level's
-# ``finally`` (abort what is unfinished, drop reservations) runs now, not at GC time.
+# Closing a stream closes the streams it reads, down to the worker's (plan_runner.py):
+# every level's ``finally`` (abort what is unfinished, drop reservations) runs now, not
+# at GC time.
 _closing = contextlib.aclosing

@@ -236,8 +236,8 @@ def test_a_dead_encode_worker_holding_embeddings_gives_the_same_text(
     import ray
 
     svc = nixl_epd.svc
-    executor = svc.executor
-    encode = executor._encode
+    runner = svc.executor._runner
+    encode = runner._encode
     killed: list[str] = []
 
     async def encode_then_die(encode_id: str, *args: Any) -> Any:
@@ -248,7 +248,7 @@ def test_a_dead_encode_worker_holding_embeddings_gives_the_same_text(
             killed.append(encode_id)
         return handle
 
-    monkeypatch.setattr(executor, "_encode", encode_then_die)
+    monkeypatch.setattr(runner, "_encode", encode_then_die)
     got = asyncio.run(_chat_all(nixl_epd.base_url, CASES[1:2]))
     assert killed == ["encode-0"]
     assert got == expected[1:2]
