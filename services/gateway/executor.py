@@ -22,10 +22,10 @@ it finishes, also what its first placement showed (``observe_outcome``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 from router.correction import Outcome
@@ -180,7 +180,7 @@ class PlanExecutor:
         trace = _Trace()
         attempts = self._attempts(profile, prompt_token_ids, sampling, images, detokenizer, trace)
         try:
-            async with _closing(attempts):
+            async with aclosing(attempts):
                 async for delta in attempts:
                     generated.extend(delta.token_ids)
                     if delta.token_ids:
@@ -222,7 +222,7 @@ class PlanExecutor:
                 plan, request_id, attempt_id, prompt_token_ids, tuple(generated), sampling, images
             )
             try:
-                async with _closing(stream):  # closing aborts what is unfinished
+                async with aclosing(stream):  # closing aborts what is unfinished
                     async for delta in stream:
                         delta = _detokenize(detokenizer, delta, request_id)
                         generated.extend(delta.token_ids)
@@ -307,9 +307,3 @@ def _detokenize(
         num_output_tokens=delta.num_output_tokens - num_dropped,
         logprobs=delta.logprobs[:num_kept] if delta.logprobs is not None else None,
     )
-
-
-# Closing a stream closes the streams it reads, down to the worker's (plan_runner.py):
-# every level's ``finally`` (abort what is unfinished, drop reservations) runs now, not
-# at GC time.
-_closing = contextlib.aclosing

@@ -26,10 +26,10 @@ links as they perform.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
 from dataclasses import replace
 from typing import TypeVar
 
@@ -109,7 +109,7 @@ class PlanRunner:
             body = self._run_plan(
                 plan, placed_id, request_id, prompt, generated, sampling, images, embeddings
             )
-            async with _closing(body) as s:
+            async with aclosing(body) as s:
                 async for delta in s:
                     yield delta
         finally:
@@ -173,7 +173,7 @@ class PlanRunner:
             )
             job = _generate(request, embeddings)
             stream = self._stream(worker_id, job, placed_id, prefill=True)
-            async with _closing(stream) as s:
+            async with aclosing(stream) as s:
                 async for delta in s:
                     yield delta
             return
@@ -188,7 +188,7 @@ class PlanRunner:
             images,
             embeddings,
         )
-        async with _closing(disaggregated) as s:
+        async with aclosing(disaggregated) as s:
             async for delta in s:
                 yield delta
 
@@ -210,7 +210,7 @@ class PlanRunner:
             request = EngineRequest(request_id, prompt, sampling, prefill_only=True, images=images)
             prefill_job = _generate(request, embeddings)
             prefill = self._stream(prefill_id, prefill_job, placed_id, prefill=True)
-            async with _closing(prefill) as s:
+            async with aclosing(prefill) as s:
                 async for delta in s:
                     first_tokens += delta.token_ids
                     if delta.finish_reason is FinishReason.PREFILLED:
@@ -228,7 +228,7 @@ class PlanRunner:
             started_s = time.monotonic()
             job = Continue(request, handle)
             stream = self._stream(decode_id, job, placed_id, prefill=False, pulled_from=prefill_id)
-            async with _closing(stream) as s:
+            async with aclosing(stream) as s:
                 async for delta in s:
                     completed = delta.finish_reason is not None
                     if completed:
@@ -329,8 +329,3 @@ async def _aclose(events: object) -> None:
     aclose = getattr(events, "aclose", None)
     if aclose is not None:
         await aclose()
-
-
-# Closing a stream closes the streams it reads, down to the worker's: every level's
-# ``finally`` (abort what is unfinished, drop reservations) runs now, not at GC time.
-_closing = contextlib.aclosing
