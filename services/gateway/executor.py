@@ -37,7 +37,7 @@ from services.engine.tokenizer import Tokenizer
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import ServiceFailure
 from services.gateway.placement import HoldSettings, Placer
-from services.gateway.plan_runner import AttemptFailed, PlanRunner
+from services.gateway.plan_runner import Attempt, AttemptFailed, PlanRunner
 from services.metrics import BatonMetrics
 from services.workers.client import WorkerClient, WorkerDiedError
 from services.workers.messages import FailureKind, TokenDelta
@@ -219,7 +219,10 @@ class PlanExecutor:
             else:
                 trace.replaced = True
             stream = self._runner.run(
-                plan, request_id, attempt_id, prompt_token_ids, tuple(generated), sampling, images
+                plan,
+                Attempt(
+                    request_id, attempt_id, prompt_token_ids, tuple(generated), sampling, images
+                ),
             )
             try:
                 async with aclosing(stream):  # closing aborts what is unfinished

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from kvtransfer.types import BlockHandle
@@ -55,7 +55,7 @@ from services.workers.messages import (
     WorkerEvent,
 )
 
-__all__ = ["AttemptFailed", "PlanRunner"]
+__all__ = ["Attempt", "AttemptFailed", "PlanRunner"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -68,6 +68,35 @@ class AttemptFailed(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One placement of a request: its reservation in the router (``placed_id``), its
+    id on the workers (``request_id``: attempts differ) and what it asks; ``generated``:
+    the tokens already sent (a continuation after a failure)."""
+
+    placed_id: str
+    request_id: str
+    prompt: tuple[int, ...]
+    generated: tuple[int, ...]
+    sampling: SamplingParams
+    images: tuple[ImageInput, ...]
+
+    def engine_request(
+        self,
+        images: tuple[ImageInput, ...] | None = None,
+        output_token_ids: tuple[int, ...] = (),
+        prefill_only: bool = False,
+    ) -> EngineRequest:
+        return EngineRequest(
+            self.request_id,
+            self.prompt,
+            self.sampling,
+            output_token_ids=output_token_ids,
+            prefill_only=prefill_only,
+            images=self.images if images is None else images,
+        )
 
 
 class PlanRunner:
@@ -85,58 +114,37 @@ class PlanRunner:
         self._metrics = metrics
         self._kv_backend = kv_backend
 
-    async def run(
-        self,
-        plan: Plan,
-        placed_id: str,
-        request_id: str,
-        prompt: tuple[int, ...],
-        generated: tuple[int, ...],
-        sampling: SamplingParams,
-        images: tuple[ImageInput, ...],
-    ) -> AsyncGenerator[TokenDelta, None]:
-        """Run one placement; ``placed_id`` names its reservation in the router,
-        ``request_id`` the request on the workers (attempts differ)."""
+    async def run(self, plan: Plan, attempt: Attempt) -> AsyncGenerator[TokenDelta, None]:
+        """Run one placement of the request."""
         embeddings: tuple[BlockHandle, ...] = ()
-        parts = plan.encode_split(len(images)) if images and not generated else ()
+        images = attempt.images
+        parts = plan.encode_split(len(images)) if images and not attempt.generated else ()
         try:
             if parts:
-                encodes = (
-                    self._encode(wid, placed_id, request_id, prompt, sampling, images[i:j])
-                    for wid, i, j in parts
-                )
+                encodes = (self._encode(wid, attempt, images[i:j]) for wid, i, j in parts)
                 embeddings = tuple(await _all_or_none(encodes))
-            body = self._run_plan(
-                plan, placed_id, request_id, prompt, generated, sampling, images, embeddings
-            )
-            async with aclosing(body) as s:
+            async with aclosing(self._run_plan(plan, attempt, embeddings)) as s:
                 async for delta in s:
                     yield delta
         finally:
             for encode_id in dict.fromkeys(wid for wid, _, _ in parts):
                 encode_client = self._clients(encode_id)
                 if encode_client is not None:  # frees the embeddings if nobody pulled them
-                    encode_client.abort(request_id)
+                    encode_client.abort(attempt.request_id)
 
     async def _encode(
-        self,
-        encode_id: str,
-        placed_id: str,
-        request_id: str,
-        prompt: tuple[int, ...],
-        sampling: SamplingParams,
-        images: tuple[ImageInput, ...],
+        self, encode_id: str, attempt: Attempt, images: tuple[ImageInput, ...]
     ) -> BlockHandle:
-        """Encode the images on ``encode_id``; the handle of the embeddings it holds."""
+        """Encode ``images`` on ``encode_id``; the handle of the embeddings it holds."""
         client = self._clients(encode_id)
         if client is None:
             raise WorkerDiedError(encode_id, "not in the registry")
-        request = EngineRequest(request_id, prompt, sampling, images=images)
+        request_id = attempt.request_id
         started_s = time.monotonic()
-        events = client.generate(Encode(request))
+        events = client.generate(Encode(attempt.engine_request(images)))
         try:
             async for event in events:
-                self._router.release(placed_id, encode_id)  # its telemetry counts it now
+                self._router.release(attempt.placed_id, encode_id)  # its telemetry counts it
                 match event:
                     case ImagesEncoded(handle=handle, duration_s=duration_s):
                         self._metrics.stage_s.labels("encode").observe(time.monotonic() - started_s)
@@ -153,40 +161,23 @@ class PlanRunner:
         raise AttemptFailed("stream_ended")
 
     async def _run_plan(
-        self,
-        plan: Plan,
-        placed_id: str,
-        request_id: str,
-        prompt: tuple[int, ...],
-        generated: tuple[int, ...],
-        sampling: SamplingParams,
-        images: tuple[ImageInput, ...],
-        embeddings: tuple[BlockHandle, ...],
+        self, plan: Plan, attempt: Attempt, embeddings: tuple[BlockHandle, ...]
     ) -> AsyncGenerator[TokenDelta, None]:
+        generated = attempt.generated
         if plan.colocated or generated:
             # A continuation after a failure runs where decoding would have run.
             worker_id = plan.decode_worker if generated and plan.decode_worker else None
             worker_id = worker_id or plan.prefill_worker
-            unreserve(self._router, placed_id, plan, keep=worker_id)
-            request = EngineRequest(
-                request_id, prompt, sampling, output_token_ids=generated, images=images
-            )
-            job = _generate(request, embeddings)
-            stream = self._stream(worker_id, job, placed_id, prefill=True)
+            unreserve(self._router, attempt.placed_id, plan, keep=worker_id)
+            job = _generate(attempt.engine_request(output_token_ids=generated), embeddings)
+            stream = self._stream(worker_id, job, attempt.placed_id, prefill=True)
             async with aclosing(stream) as s:
                 async for delta in s:
                     yield delta
             return
         assert plan.decode_worker is not None
         disaggregated = self._disaggregated(
-            plan.prefill_worker,
-            plan.decode_worker,
-            placed_id,
-            request_id,
-            prompt,
-            sampling,
-            images,
-            embeddings,
+            plan.prefill_worker, plan.decode_worker, attempt, embeddings
         )
         async with aclosing(disaggregated) as s:
             async for delta in s:
@@ -196,19 +187,15 @@ class PlanRunner:
         self,
         prefill_id: str,
         decode_id: str,
-        placed_id: str,
-        request_id: str,
-        prompt: tuple[int, ...],
-        sampling: SamplingParams,
-        images: tuple[ImageInput, ...],
+        attempt: Attempt,
         embeddings: tuple[BlockHandle, ...],
     ) -> AsyncGenerator[TokenDelta, None]:
+        placed_id, request_id = attempt.placed_id, attempt.request_id
         completed = False
         try:
             handle = None
             first_tokens: tuple[int, ...] = ()
-            request = EngineRequest(request_id, prompt, sampling, prefill_only=True, images=images)
-            prefill_job = _generate(request, embeddings)
+            prefill_job = _generate(attempt.engine_request(prefill_only=True), embeddings)
             prefill = self._stream(prefill_id, prefill_job, placed_id, prefill=True)
             async with aclosing(prefill) as s:
                 async for delta in s:
@@ -222,11 +209,8 @@ class PlanRunner:
                 return  # the first token already finished the request
             # The decoder pulls the prompt's KV; it encodes the images only if a
             # preemption makes it recompute the prompt.
-            request = EngineRequest(
-                request_id, prompt, sampling, output_token_ids=first_tokens, images=images
-            )
             started_s = time.monotonic()
-            job = Continue(request, handle)
+            job = Continue(attempt.engine_request(output_token_ids=first_tokens), handle)
             stream = self._stream(decode_id, job, placed_id, prefill=False, pulled_from=prefill_id)
             async with aclosing(stream) as s:
                 async for delta in s:
