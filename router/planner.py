@@ -224,7 +224,9 @@ class RatioPlanner:
         self.min_dwell_s = 3 * interval_s if min_dwell_s is None else min_dwell_s
         self._last_flip_s = -math.inf
         self._last_flip = Flip.NONE
+        self._before_last = (-math.inf, Flip.NONE)  # what the two above were before it
         self._flipped_s: dict[str, float] = {}  # worker -> when it last flipped
+        self._refused: set[tuple[str, Role]] = set()  # (worker, role) it cannot take
 
     def decide(
         self,
@@ -251,6 +253,7 @@ class RatioPlanner:
             return flip
         if _REVERSE[flip] is self._last_flip and now_s - self._last_flip_s < self.min_dwell_s:
             return Flip.NONE
+        self._before_last = (self._last_flip_s, self._last_flip)
         self._last_flip_s = now_s
         self._last_flip = flip
         return flip
@@ -277,6 +280,23 @@ class RatioPlanner:
 
     def record_flip(self, worker_id: str, now_s: float) -> None:
         self._flipped_s[worker_id] = now_s
+
+    def may_take(self, worker_id: str, role: Role) -> bool:
+        """The worker has not refused ``role`` (a fixed-role worker, an engine that
+        cannot encode)."""
+        return (worker_id, role) not in self._refused
+
+    def refused(self, worker_id: str, role: Role) -> None:
+        """The applier could not flip ``worker_id`` to ``role``: it kept its role. The
+        flip is taken back (no interval, dwell or reversal counts from it) and the
+        worker is never chosen for that role again."""
+        self._refused.add((worker_id, role))
+        self._flipped_s.pop(worker_id, None)
+        self.withdraw()
+
+    def withdraw(self) -> None:
+        """The last decision was not carried out: it counts for nothing."""
+        self._last_flip_s, self._last_flip = self._before_last
 
     def _between_pools(self, pressure: RolePressure, num_prefill: int, num_decode: int) -> Flip:
         p, d = pressure.prefill, pressure.decode
@@ -365,8 +385,9 @@ def choose_flip(
     view: ClusterView, pressure: RolePressure, planner: RatioPlanner, now_s: float
 ) -> RoleFlip | None:
     """The planner's decision as the worker to flip: the least busy of the role that
-    gives one up, past its minimum dwell (draining workers are not counted). The
-    gateway's rebalancer and the simulator both apply this."""
+    gives one up, past its minimum dwell and not known to refuse the new role (draining
+    workers are not counted). The gateway's rebalancer and the simulator both apply
+    this; a decision no worker can carry out counts for nothing."""
     roles = (Role.PREFILL, Role.DECODE, Role.MIXED, Role.ENCODE)
     pools = {role: view.by_role(role) for role in roles}
     flip = planner.decide(
@@ -380,8 +401,13 @@ def choose_flip(
     if flip is Flip.NONE:
         return None
     source, target = _FLIPS[flip]
-    eligible = [w for w in pools[source] if planner.may_flip(w.worker_id, now_s)]
+    eligible = [
+        w
+        for w in pools[source]
+        if planner.may_flip(w.worker_id, now_s) and planner.may_take(w.worker_id, target)
+    ]
     if not eligible:
+        planner.withdraw()
         return None
     worker = min(eligible, key=_busyness)
     planner.record_flip(worker.worker_id, now_s)

@@ -73,6 +73,7 @@ class Rebalancer:
         now = await self._controller.set_role(flip.worker_id, flip.target)
         if now is not flip.target:
             log.info("%s keeps its role (%s)", flip.worker_id, now)
+            self._planner.refused(flip.worker_id, flip.target)
             return None
         self._metrics.role_changes.labels(flip.source.value, flip.target.value).inc()
         return flip.worker_id, flip.target

@@ -58,3 +58,29 @@ async def test_slo_goodput_gets_a_rebalancer_round_robin_does_not(gateway: Any) 
     assert svc.rebalancer is not None
     plain, _ = await gateway()
     assert plain.rebalancer is None
+
+
+async def test_a_worker_that_keeps_its_role_is_not_counted_nor_asked_again(gateway: Any) -> None:
+    svc, _ = await gateway(**{"workers.prefill": 2, "workers.decode": 2})
+    asked: list[str] = []
+
+    class OneWorkerKeepsItsRole:
+        """The controller, except that the first worker asked keeps its role (as a
+        fixed-role worker does)."""
+
+        async def set_role(self, worker_id: str, role: Role) -> Role:
+            asked.append(worker_id)
+            if worker_id == asked[0]:
+                return svc.controller.workers()[worker_id]
+            return await svc.controller.set_role(worker_id, role)
+
+    rebalancer = Rebalancer(
+        OneWorkerKeepsItsRole(), svc.router.view, lambda v, n: pressure(5.0, 0.1),  # type: ignore[arg-type]
+        RatioPlanner(interval_s=60.0), svc.metrics, lambda: 100.0,
+    )  # fmt: skip
+    assert await rebalancer.tick() is None
+    assert svc.metrics.role_changes.labels("decode", "prefill")._value.get() == 0
+    # At once (the refused flip took no interval), and another decode worker.
+    flipped = await rebalancer.tick()
+    assert flipped is not None and flipped == (asked[1], Role.PREFILL) and asked[1] != asked[0]
+    assert svc.metrics.role_changes.labels("decode", "prefill")._value.get() == 1

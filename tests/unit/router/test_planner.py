@@ -110,6 +110,32 @@ def test_a_flipped_worker_dwells_in_its_role() -> None:
     assert flip is not None and (flip.worker_id, flip.target) == ("d", Role.DECODE)
 
 
+def test_a_worker_that_refused_a_role_is_not_asked_again_and_the_flip_counts_for_nothing() -> None:
+    from router.planner import choose_flip
+    from router.types import Role
+    from tests.unit.router.builders import view, worker
+
+    planner = RatioPlanner(interval_s=1.0, hysteresis=0.1, min_dwell_s=10.0)
+    cluster = view(
+        worker("p0", Role.PREFILL),
+        worker("p1", Role.PREFILL, short_tokens=100, short_requests=1),  # busier
+        worker("d0", Role.DECODE),
+        worker("d1", Role.DECODE),
+    )
+    decode_pressed = _pressure(0.2, 1.4)
+    flip = choose_flip(cluster, decode_pressed, planner, 0.0)
+    assert flip is not None and (flip.worker_id, flip.target) == ("p0", Role.DECODE)
+    planner.refused("p0", Role.DECODE)  # a fixed-role worker kept its role
+    # Not an interval's wait, and not p0 again: the busier p1 goes instead.
+    flip = choose_flip(cluster, decode_pressed, planner, 0.5)
+    assert flip is not None and (flip.worker_id, flip.target) == ("p1", Role.DECODE)
+    planner.refused("p1", Role.DECODE)
+    # No prefill worker takes decode: nothing flips, and that blocks no other flip.
+    assert choose_flip(cluster, decode_pressed, planner, 2.0) is None
+    flip = choose_flip(cluster, _pressure(1.5, 0.3), planner, 2.0)
+    assert flip is not None and flip.target is Role.PREFILL
+
+
 def test_cli_prints_the_plan(tmp_path, capsys) -> None:
     path = tmp_path / "p.json"
     save_profile(PROFILE, path)

@@ -207,9 +207,7 @@ def test_spatial_pool_follows_the_long_share_onto_every_prefilling_worker() -> N
     """Only long prompts: both prefill workers take them, and a mixed worker of the pool
     prefills one colocated (with a fixed share of workers one prefill worker idled and
     the other queued them all); only short prompts again, and the pool empties."""
-    pol = policy(
-        length_split="spatial", length_threshold_tokens=256, colocate_roles=(Role.MIXED,)
-    )
+    pol = policy(length_split="spatial", length_threshold_tokens=256, colocate_roles=(Role.MIXED,))
     v = view(
         worker("p0", Role.PREFILL),
         worker("p1", Role.PREFILL, long_tokens=3000, long_requests=1),
