@@ -69,7 +69,7 @@ PROFILE = "internvl2-26b-h100"
 IMAGE_TOKENS = 256  # InternVL2: one 448x448 tile -> 256 image tokens
 SLO = GoodputSLO(ttft_ms=1500, tpot_ms=100)
 ATTAINMENT = 0.9
-MAX_RATE_PER_GPU = 8.0  # the search's top rate
+MAX_RATE_PER_GPU = 16.0  # the search's top rate
 
 
 DECODE_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2)  # of the GPUs, decoding
