@@ -9,7 +9,7 @@ import argparse
 import json
 
 from router.cost_model import DEFAULT_PROFILE, load_profile
-from router.planner import WorkloadStats, plan_pools
+from router.pool_sizing import WorkloadStats, plan_pools
 from router.types import SLO
 
 __all__ = ["add_arguments", "run"]

@@ -38,9 +38,9 @@ from router.types import LengthClass, RequestProfile, Role, WorkerView
 
 __all__ = [
     "LengthClassifier",
+    "LongPool",
     "SplitMode",
     "effective_prefill_tokens",
-    "long_pool",
     "long_pool_size",
     "prefill_curve",
     "queue_wait_s",
@@ -203,15 +203,34 @@ def prefill_curve(
     return own, QuadCoeffs(step_s, coeffs.b, coeffs.c), chunk
 
 
-def long_pool(
-    prefill_worker_ids: Sequence[str], mixed_worker_ids: Sequence[str], num_long: int
-) -> frozenset[str]:
-    """Spatial split: the ``num_long`` workers that take LONG requests, prefill workers
-    first (by sorted id, from the last), then mixed ones (whose decodes a long prompt's
-    chunks would stall)."""
-    ordered = sorted(mixed_worker_ids) + sorted(prefill_worker_ids)
-    num = min(max(num_long, 0), len(ordered))
-    return frozenset(ordered[len(ordered) - num :])
+class LongPool:
+    """The spatial split's LONG pool over a table's workers: ``size`` of the workers
+    that prefill, prefill workers first (by sorted id, from the last), then mixed ones
+    (whose decodes a long prompt's chunks would stall)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._num_hosts = 0
+        self._sized = False
+
+    def resize(self, long_share: float, long_request_share: float) -> bool:
+        """Size it to the shares (``long_pool_size``); whether the size changed."""
+        current = min(self.size, self._num_hosts) if self._sized else None
+        size = long_pool_size(long_share, long_request_share, self._num_hosts, current)
+        self._sized = True
+        changed, self.size = size != self.size, size
+        return changed
+
+    def assign(self, workers: Sequence[WorkerView]) -> tuple[list[bool], bool]:
+        """Which of ``workers`` are in the pool, and whether every host is."""
+        hosts = sorted(
+            (w for w in workers if w.role in (Role.PREFILL, Role.MIXED)),
+            key=lambda w: (w.role is Role.PREFILL, w.worker_id),
+        )
+        self._num_hosts = len(hosts)
+        self.size = min(self.size, len(hosts))
+        long_ids = {w.worker_id for w in hosts[len(hosts) - self.size :]}
+        return [w.worker_id in long_ids for w in workers], self.size == len(hosts)
 
 
 def long_pool_size(

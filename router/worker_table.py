@@ -28,7 +28,7 @@ import numpy as np
 
 from router.cost_model import CostModel, Profile, QuadCoeffs
 from router.estimator import PeakTable, remaining_tokens
-from router.length import SplitMode, long_pool, long_pool_size, prefill_curve, queue_wait_s
+from router.length import LongPool, SplitMode, prefill_curve, queue_wait_s
 from router.prefix_index import PrefixIndex
 from router.running_sets import RunningEntry, RunningSets
 from router.types import ClusterView, LengthClass, Role, StepSample, WorkerView
@@ -68,9 +68,7 @@ class WorkerTable:
         self.running_sets = RunningSets(lambda: self.sorted_history, rng, settings.num_draws)
         self.workers: tuple[WorkerView, ...] | None = None
         self.prefix_index = PrefixIndex()
-        self.num_long = 0  # the spatial split's LONG pool size (``size_long_pool``)
-        self._sized = False
-        self._num_hosts = 0  # workers that prefill: prefill and mixed
+        self.long_pool = LongPool()  # the spatial split's (``size_long_pool``)
         self._allocate(0)
 
     def _allocate(self, n: int) -> None:
@@ -145,28 +143,18 @@ class WorkerTable:
         self._draw_tables(workers)
         for i, w in enumerate(workers):
             self._fill_row(i, w)
-        self._split_hosts(self.num_long)
+        self._split_hosts()
 
     def size_long_pool(self, long_share: float, long_request_share: float) -> None:
-        """Spatial split: the LONG pool sized to the LONG class's share of the work
-        (``length.long_pool_size``), among the workers that prefill."""
-        num_hosts = self._num_hosts
-        current = min(self.num_long, num_hosts) if self._sized else None
-        num = long_pool_size(long_share, long_request_share, num_hosts, current)
-        self._sized = True
-        if num != self.num_long:
-            self._split_hosts(num)
+        """Spatial split: the LONG pool sized to the LONG class's share of the work."""
+        if self.long_pool.resize(long_share, long_request_share):
+            self._split_hosts()
 
-    def _split_hosts(self, num_long: int) -> None:
-        workers = self.workers or ()
-        prefill = [w.worker_id for w in workers if w.role is Role.PREFILL]
-        mixed = [w.worker_id for w in workers if w.role is Role.MIXED]
-        self._num_hosts = len(prefill) + len(mixed)
-        self.num_long = min(num_long, self._num_hosts)
-        long_ids = long_pool(prefill, mixed, self.num_long)
-        self.in_long_pool[:] = [w.worker_id in long_ids for w in workers]
+    def _split_hosts(self) -> None:
+        in_pool, everyone = self.long_pool.assign(self.workers or ())
+        self.in_long_pool[:] = in_pool
         # With every prefilling worker in the LONG pool, a SHORT prompt goes anywhere.
-        self.short_hosts[:] = ~self.in_long_pool if self.num_long < self._num_hosts else True
+        self.short_hosts[:] = True if everyone else ~self.in_long_pool
 
     def _fill_row(self, i: int, w: WorkerView) -> None:
         # Each value is computed once as a Python float and stored; nothing is read back

@@ -9,13 +9,13 @@ import pytest
 from router.cost_model import QuadCoeffs
 from router.length import (
     LengthClassifier,
+    LongPool,
     SplitMode,
     effective_prefill_tokens,
-    long_pool,
     long_pool_size,
     queue_wait_s,
 )
-from router.types import LengthClass, RequestProfile
+from router.types import LengthClass, RequestProfile, Role
 
 FLAT_THEN_LINEAR = QuadCoeffs(a=0.02, b=1e-4, c=0.0)  # knee at 200 tokens
 
@@ -79,12 +79,22 @@ def test_temporal_queues_let_short_requests_skip_long_work() -> None:
 
 
 def test_long_pool_takes_prefill_workers_first_then_mixed_ones() -> None:
-    prefill, mixed = ["p1", "p0", "p2"], ["m1", "m0"]
-    assert long_pool(prefill, mixed, 2) == {"p1", "p2"}  # by sorted id, from the last
-    assert long_pool(prefill, mixed, 4) == {"p0", "p1", "p2", "m1"}
-    assert long_pool(prefill, mixed, 9) == {"p0", "p1", "p2", "m0", "m1"}
-    assert long_pool(prefill, mixed, 0) == frozenset()
-    assert long_pool([], mixed, 1) == {"m1"}
+    from tests.unit.router.builders import worker
+
+    workers = [worker(w, Role.PREFILL) for w in ("p1", "p0", "p2")]
+    workers += [worker("m1", Role.MIXED), worker("d", Role.DECODE), worker("m0", Role.MIXED)]
+    pool = LongPool()
+
+    def members(size: int) -> set[str]:
+        pool.size = size
+        in_pool, everyone = pool.assign(workers)
+        assert everyone == (size >= 5)
+        return {w.worker_id for w, x in zip(workers, in_pool, strict=True) if x}
+
+    assert members(2) == {"p1", "p2"}  # by sorted id, from the last
+    assert members(4) == {"p0", "p1", "p2", "m1"}
+    assert members(9) == {"p0", "p1", "p2", "m0", "m1"} and pool.size == 5
+    assert members(0) == set()
 
 
 def test_long_pool_size_follows_the_share_and_holds_near_a_boundary() -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from router import cli_plan
 from router.cost_model import save_profile
-from router.planner import Flip, RatioPlanner, RolePressure, WorkloadStats, plan_pools, size_pools
+from router.planner import Flip, RatioPlanner, RolePressure
+from router.pool_sizing import WorkloadStats, plan_pools, size_pools
 from router.types import SLO
 from tests.unit.router.builders import PROFILE
 

@@ -226,10 +226,10 @@ def test_spatial_pool_follows_the_long_share_onto_every_prefilling_worker() -> N
     )
     long = plan_of(pol.plan(request(2000), slow, 0.0))
     assert long.colocated and long.prefill_worker == "m"
-    assert pol._table.num_long == 2
+    assert pol._table.long_pool.size == 2
     for _ in range(600):
         pol.plan(request(50), v, 0.0)
-    assert pol._table.num_long == 0
+    assert pol._table.long_pool.size == 0
 
 
 def test_images_go_to_the_least_loaded_encoder(tmp_path) -> None:

@@ -1,0 +1,111 @@
+"""Sizing the P/D pools for a target arrival rate, from the cost model (``baton plan``).
+
+* prefill: one request costs ``D = prefill(n)`` seconds for its effective
+  prompt ``n``; ``n_p = ⌈rate·D/ρ⌉`` workers keep each under utilisation ``ρ``,
+  then more are added until the M/D/1 queueing estimate of TTFT,
+  ``D + R·D² / (2(1 − R·D))`` at per-worker rate ``R = rate/n_p``, plus the KV
+  transfer, meets the TTFT target (DistServe's intuition).
+* decode: the largest batch ``B`` whose step time at average context
+  ``B·(prompt + output/2)`` meets TPOT and whose peak KV ``B·(prompt + output)``
+  fits ``memory_fraction`` of capacity (and ``max_num_seqs``); by Little's law
+  ``rate·output·step(B)`` requests are decoding at once, so
+  ``n_d = ⌈rate·output·step(B) / B⌉``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from router.cost_model import CostModel, Profile
+from router.types import SLO
+
+__all__ = ["PoolPlan", "WorkloadStats", "plan_pools", "size_pools"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadStats:
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    mean_prefix_hit_tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    num_prefill: int
+    num_decode: int
+    prefill_s: float  # one request's prefill, D
+    predicted_ttft_s: float  # M/D/1 at the planned size, plus transfer
+    decode_batch: int  # B per decode worker
+    decode_step_s: float  # step time at B
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "num_prefill": self.num_prefill,
+            "num_decode": self.num_decode,
+            "prefill_s": self.prefill_s,
+            "predicted_ttft_s": self.predicted_ttft_s,
+            "decode_batch": self.decode_batch,
+            "decode_step_s": self.decode_step_s,
+        }
+
+
+def _md1_ttft_s(rate_per_worker: float, service_s: float) -> float:
+    load = rate_per_worker * service_s
+    if load >= 1.0:
+        return math.inf
+    return service_s + rate_per_worker * service_s**2 / (2 * (1 - load))
+
+
+def plan_pools(
+    rate_per_s: float,
+    profile: Profile,
+    workload: WorkloadStats,
+    slo: SLO,
+    max_utilization: float = 0.8,
+    memory_fraction: float = 0.95,
+    max_workers: int = 4096,
+) -> PoolPlan:
+    if rate_per_s <= 0 or not 0 < max_utilization < 1:
+        raise ValueError("need rate_per_s > 0 and 0 < max_utilization < 1")
+    model = CostModel(profile)
+    n_eff = max(1.0, workload.mean_prompt_tokens - workload.mean_prefix_hit_tokens)
+    prefill_s = model.prefill_s(n_eff)
+    transfer_s = model.transfer_s(workload.mean_prompt_tokens * profile.kv_bytes_per_token)
+    ttft_target_s = slo.ttft_s if slo.ttft_s is not None else math.inf
+
+    num_prefill = max(1, math.ceil(rate_per_s * prefill_s / max_utilization))
+    ttft_s = _md1_ttft_s(rate_per_s / num_prefill, prefill_s) + transfer_s
+    while ttft_s > ttft_target_s and num_prefill < max_workers:
+        num_prefill += 1
+        ttft_s = _md1_ttft_s(rate_per_s / num_prefill, prefill_s) + transfer_s
+
+    batch, step_s = _largest_decode_batch(model, profile, workload, slo, memory_fraction)
+    in_flight = rate_per_s * workload.mean_output_tokens * step_s
+    num_decode = max(1, math.ceil(in_flight / batch))
+    return PoolPlan(num_prefill, min(num_decode, max_workers), prefill_s, ttft_s, batch, step_s)
+
+
+def size_pools(
+    rate_per_s: float, profile: Profile, workload: WorkloadStats, slo: SLO
+) -> tuple[int, int]:
+    """``(n_p, n_d)`` for ``rate_per_s`` requests per second; see ``plan_pools``."""
+    plan = plan_pools(rate_per_s, profile, workload, slo)
+    return plan.num_prefill, plan.num_decode
+
+
+def _largest_decode_batch(
+    model: CostModel, profile: Profile, workload: WorkloadStats, slo: SLO, memory_fraction: float
+) -> tuple[int, float]:
+    tpot_s = slo.tpot_s if slo.tpot_s is not None else math.inf
+    capacity = memory_fraction * profile.num_kv_blocks * profile.block_size
+    per_request_peak = workload.mean_prompt_tokens + workload.mean_output_tokens
+    mean_context = workload.mean_prompt_tokens + workload.mean_output_tokens / 2
+    best = 1
+    for batch in range(1, profile.max_num_seqs + 1):
+        fits_memory = batch * per_request_peak <= capacity
+        fits_tpot = model.decode_step_s(batch, batch * mean_context) <= tpot_s
+        if not (fits_memory and fits_tpot):
+            break
+        best = batch
+    return best, model.decode_step_s(best, best * mean_context)
