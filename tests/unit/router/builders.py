@@ -12,7 +12,9 @@ from router.types import (
     SLO,
     ClusterView,
     LengthClass,
+    Plan,
     Priority,
+    Reject,
     RequestProfile,
     Role,
     RunningRequest,
@@ -119,3 +121,9 @@ def policy(**options: Any) -> SloGoodput:
     built = make_policy("slo_goodput", **settings)
     assert isinstance(built, SloGoodput)
     return built
+
+
+def plan_of(result: Plan | Reject) -> Plan:
+    """The plan a policy returned (fails the test on a refusal or a hold)."""
+    assert isinstance(result, Plan), result
+    return result

@@ -14,25 +14,18 @@ import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
-from router.cost_model import save_profile
 from router.types import LengthClass, Plan, Priority, Reject, Role, RunningRequest, StepSample
 from tests.unit.router.builders import (
     OUTPUT_LEN,
-    PROFILE,
     SLO_DEFAULT,
     busy,
+    plan_of,
     policy,
     prefill_s,
     request,
     view,
     worker,
 )
-
-
-def plan_of(result: Plan | Reject) -> Plan:
-    assert isinstance(result, Plan), result
-    return result
-
 
 # A 500-token prompt: prefill 0.06 s, transfer 0.05 s + 1 ms; r = 99 for every request.
 PROMPT = 500
@@ -175,144 +168,6 @@ def test_refits_a_worker_from_its_telemetry() -> None:
     assert pol.cost_model("p1").prefill_s(PROMPT) == pytest.approx(5 * prefill_s(PROMPT), rel=0.1)
 
 
-def test_temporal_queues_let_short_requests_pass_long_work() -> None:
-    v = view(
-        worker("p_long_q", Role.PREFILL, long_tokens=8000, long_requests=1),  # long wait 0.81 s
-        worker("p_short_q", Role.PREFILL, short_tokens=2000, short_requests=2),  # 0.22 s
-        worker("d", Role.DECODE),
-    )
-    pol = policy(length_threshold_tokens=256)
-    short = plan_of(pol.plan(request(50), v, 0.0))
-    assert short.prefill_worker == "p_long_q" and short.length_class is LengthClass.SHORT
-    long = plan_of(pol.plan(request(2000), v, 0.0))
-    assert long.prefill_worker == "p_short_q" and long.length_class is LengthClass.LONG
-
-
-def test_spatial_split_sends_each_class_to_its_pool() -> None:
-    v = view(
-        worker("p0", Role.PREFILL, short_tokens=1000, short_requests=1),
-        worker("p1", Role.PREFILL),  # the long pool: the last half by id
-        worker("d", Role.DECODE),
-    )
-    pol = policy(length_split="spatial", prior_long_share=0.5, length_threshold_tokens=256)
-    assert plan_of(pol.plan(request(50), v, 0.0)).prefill_worker == "p0"
-    assert plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker == "p1"
-    assert (
-        plan_of(policy(length_threshold_tokens=256).plan(request(50), v, 0.0)).prefill_worker
-        == "p1"
-    )
-
-
-def test_spatial_pool_follows_the_long_share_onto_every_prefilling_worker() -> None:
-    """Only long prompts: both prefill workers take them, and a mixed worker of the pool
-    prefills one colocated (with a fixed share of workers one prefill worker idled and
-    the other queued them all); only short prompts again, and the pool empties."""
-    pol = policy(length_split="spatial", length_threshold_tokens=256, colocate_roles=(Role.MIXED,))
-    v = view(
-        worker("p0", Role.PREFILL),
-        worker("p1", Role.PREFILL, long_tokens=3000, long_requests=1),
-        worker("d", Role.DECODE),
-    )
-    assert plan_of(pol.plan(request(50), v, 0.0)).prefill_worker == "p0"  # the prior: p1 long
-    assert plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker == "p1"  # behind 3000
-    for _ in range(100):
-        pol.plan(request(2000), v, 0.0)
-    assert plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker == "p0"  # now in the pool
-    # A link too slow for any transfer: the mixed worker, in the pool, runs it whole.
-    slow = view(
-        worker("p0", Role.PREFILL, bandwidth=1e7),
-        worker("m", Role.MIXED, bandwidth=1e7),
-        worker("d", Role.DECODE, bandwidth=1e7),
-    )
-    long = plan_of(pol.plan(request(2000), slow, 0.0))
-    assert long.colocated and long.prefill_worker == "m"
-    assert pol._table.long_pool.size == 2
-    for _ in range(600):
-        pol.plan(request(50), v, 0.0)
-    assert pol._table.long_pool.size == 0
-
-
-def test_images_go_to_the_least_loaded_encoder(tmp_path) -> None:
-    path = tmp_path / "profile.json"
-    save_profile(PROFILE, path)
-    v = view(
-        worker("e_busy", Role.ENCODE, short_tokens=5000, short_requests=1),
-        worker("e_idle", Role.ENCODE),
-        worker("p", Role.PREFILL),
-        worker("d", Role.DECODE),
-    )
-    plan = plan_of(policy(profile=str(path)).plan(request(PROMPT, image_tokens=200), v, 0.0))
-    assert plan.encode_worker == "e_idle"
-    # encode 0.005 + 200e-5 and the embeddings' link latency 0.001 (the prefill worker is
-    # idle, so nothing overlaps it); prefill and transfer of 700 tokens.
-    expected = 0.005 + 0.002 + 0.001 + prefill_s(700) + 700 * 1e5 / 1e9 + 0.001
-    assert plan.predicted_ttft_s == pytest.approx(expected)
-
-
-def test_images_are_encoded_on_the_prefill_worker_when_every_encoder_is_swamped(
-    tmp_path,
-) -> None:
-    path = tmp_path / "profile.json"
-    save_profile(PROFILE, path)
-    swamped = view(
-        worker("e", Role.ENCODE, short_tokens=5000, short_requests=10),
-        worker("p", Role.PREFILL),
-        worker("d", Role.DECODE),
-    )
-    plan = plan_of(policy(profile=str(path)).plan(request(PROMPT, image_tokens=200), swamped, 0.0))
-    assert plan.encode_worker is None  # 5000 queued tokens cost 50 ms > 2 x 7 ms encoding here
-    expected = 0.005 + 0.002 + prefill_s(700) + 700 * 1e5 / 1e9 + 0.001
-    assert plan.predicted_ttft_s == pytest.approx(expected)
-    # The same encoder, behind a prefill queue longer than its own: the encode overlaps it.
-    behind = view(
-        worker("e", Role.ENCODE, short_tokens=5000, short_requests=10),
-        worker("p", Role.PREFILL, short_tokens=2000, short_requests=4),
-        worker("d", Role.DECODE),
-    )
-    plan = plan_of(policy(profile=str(path)).plan(request(PROMPT, image_tokens=200), behind, 0.0))
-    assert plan.encode_worker == "e"
-
-
-def test_a_request_s_images_are_split_over_encoders_when_that_lands_them_sooner(
-    tmp_path,
-) -> None:
-    path = tmp_path / "profile.json"
-    save_profile(PROFILE, path)
-    v = view(
-        worker("e0", Role.ENCODE),
-        worker("e1", Role.ENCODE),
-        worker("e2", Role.ENCODE, short_tokens=1000, short_requests=1),
-        worker("p", Role.PREFILL),
-        worker("d", Role.DECODE),
-    )
-    four = replace(request(PROMPT, image_tokens=400), num_images=4)
-    plan = plan_of(policy(profile=str(path)).plan(four, v, 0.0))
-    # All on e0: 0.005 + 400e-5 + 1 ms = 10 ms; two images each on e0 and e1: 0.005 +
-    # 200e-5 + 1 ms = 8 ms; three parts (2, 1, 1 images; e2 queues 10 ms): 18 ms.
-    assert plan.encode_parts == (("e0", 0, 2), ("e1", 2, 4)) and plan.encode_worker == "e0"
-    assert plan.encode_workers == ("e0", "e1")
-    expected = 0.008 + prefill_s(900) + 900 * 1e5 / 1e9 + 0.001
-    assert plan.predicted_ttft_s == pytest.approx(expected)
-    # One image is never split.
-    one = replace(request(PROMPT, image_tokens=400), num_images=1)
-    plan = plan_of(policy(profile=str(path)).plan(one, v, 0.0))
-    assert plan.encode_parts == () and plan.encode_worker == "e0"
-    assert plan.encode_split(1) == (("e0", 0, 1),)
-
-
-def test_the_encode_term_is_fitted_from_observed_encodes(tmp_path) -> None:
-    path = tmp_path / "profile.json"
-    save_profile(PROFILE, path)
-    v = view(worker("p", Role.PREFILL), worker("d", Role.DECODE))
-    pol = policy(profile=str(path))
-    before = plan_of(pol.plan(request(PROMPT, image_tokens=200), v, 0.0)).predicted_ttft_s
-    for _ in range(8):
-        pol.observe_encode("e", 200, 0.107)  # 0.1 s slower than the profile's 7 ms
-    after = plan_of(pol.plan(request(PROMPT, image_tokens=200), v, 0.0)).predicted_ttft_s
-    assert before is not None and after is not None
-    assert after - before == pytest.approx(0.1, abs=1e-6)
-
-
 def test_ignores_dead_and_draining_workers() -> None:
     v = view(
         worker("p_dead", Role.PREFILL, alive=False),
@@ -408,19 +263,6 @@ def test_finished_lengths_in_the_view_replace_the_pessimistic_prior() -> None:
     )
     warm_view = type(warm_view)(workers=warm_view.workers, recent_output_lens=(20,) * 300)
     assert plan_of(pol.plan(request(PROMPT), warm_view, 0.0)).decode_worker == "d"
-
-
-def test_spatial_split_never_colocates_a_long_prompt_beside_short_ones() -> None:
-    """An idle decode host is the cheapest place for a long prefill (no transfer), but
-    under the spatial split it would hold up the short prefills colocated there."""
-    v = view(worker("p0", Role.PREFILL), worker("p1", Role.PREFILL), worker("d", Role.DECODE))
-    coloc = {"colocate_roles": (Role.MIXED, Role.DECODE), "length_threshold_tokens": 256}
-    temporal = policy(**coloc)
-    assert plan_of(temporal.plan(request(2000), v, 0.0)).prefill_worker == "d"  # colocated
-    spatial = policy(length_split="spatial", prior_long_share=0.5, **coloc)
-    long = plan_of(spatial.plan(request(2000), v, 0.0))
-    assert (long.prefill_worker, long.decode_worker) == ("p1", "d")
-    assert plan_of(spatial.plan(request(50), v, 0.0)).prefill_worker in {"p0", "d"}
 
 
 def test_colocated_prefill_is_priced_in_chunks_and_its_stall_spread_over_the_outputs() -> None:

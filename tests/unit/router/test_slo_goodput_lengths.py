@@ -1,0 +1,77 @@
+"""slo_goodput's length classes: temporal queues, the spatial pool and its size, on
+constructed views (``builders.PROFILE``; see test_slo_goodput.py)."""
+
+from __future__ import annotations
+
+from router.types import LengthClass, Role
+from tests.unit.router.builders import plan_of, policy, request, view, worker
+
+
+def test_temporal_queues_let_short_requests_pass_long_work() -> None:
+    v = view(
+        worker("p_long_q", Role.PREFILL, long_tokens=8000, long_requests=1),  # long wait 0.81 s
+        worker("p_short_q", Role.PREFILL, short_tokens=2000, short_requests=2),  # 0.22 s
+        worker("d", Role.DECODE),
+    )
+    pol = policy(length_threshold_tokens=256)
+    short = plan_of(pol.plan(request(50), v, 0.0))
+    assert short.prefill_worker == "p_long_q" and short.length_class is LengthClass.SHORT
+    long = plan_of(pol.plan(request(2000), v, 0.0))
+    assert long.prefill_worker == "p_short_q" and long.length_class is LengthClass.LONG
+
+
+def test_spatial_split_sends_each_class_to_its_pool() -> None:
+    v = view(
+        worker("p0", Role.PREFILL, short_tokens=1000, short_requests=1),
+        worker("p1", Role.PREFILL),  # the long pool: the last half by id
+        worker("d", Role.DECODE),
+    )
+    pol = policy(length_split="spatial", prior_long_share=0.5, length_threshold_tokens=256)
+    assert plan_of(pol.plan(request(50), v, 0.0)).prefill_worker == "p0"
+    assert plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker == "p1"
+    assert (
+        plan_of(policy(length_threshold_tokens=256).plan(request(50), v, 0.0)).prefill_worker
+        == "p1"
+    )
+
+
+def test_spatial_pool_follows_the_long_share_onto_every_prefilling_worker() -> None:
+    """Only long prompts: both prefill workers take them, and a mixed worker of the pool
+    prefills one colocated (with a fixed share of workers one prefill worker idled and
+    the other queued them all); only short prompts again, and the pool empties."""
+    pol = policy(length_split="spatial", length_threshold_tokens=256, colocate_roles=(Role.MIXED,))
+    v = view(
+        worker("p0", Role.PREFILL),
+        worker("p1", Role.PREFILL, long_tokens=3000, long_requests=1),
+        worker("d", Role.DECODE),
+    )
+    assert plan_of(pol.plan(request(50), v, 0.0)).prefill_worker == "p0"  # the prior: p1 long
+    assert plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker == "p1"  # behind 3000
+    for _ in range(100):
+        pol.plan(request(2000), v, 0.0)
+    assert plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker == "p0"  # now in the pool
+    # A link too slow for any transfer: the mixed worker, in the pool, runs it whole.
+    slow = view(
+        worker("p0", Role.PREFILL, bandwidth=1e7),
+        worker("m", Role.MIXED, bandwidth=1e7),
+        worker("d", Role.DECODE, bandwidth=1e7),
+    )
+    long = plan_of(pol.plan(request(2000), slow, 0.0))
+    assert long.colocated and long.prefill_worker == "m"
+    assert pol._table.long_pool.size == 2
+    for _ in range(600):
+        pol.plan(request(50), v, 0.0)
+    assert pol._table.long_pool.size == 0
+
+
+def test_spatial_split_never_colocates_a_long_prompt_beside_short_ones() -> None:
+    """An idle decode host is the cheapest place for a long prefill (no transfer), but
+    under the spatial split it would hold up the short prefills colocated there."""
+    v = view(worker("p0", Role.PREFILL), worker("p1", Role.PREFILL), worker("d", Role.DECODE))
+    coloc = {"colocate_roles": (Role.MIXED, Role.DECODE), "length_threshold_tokens": 256}
+    temporal = policy(**coloc)
+    assert plan_of(temporal.plan(request(2000), v, 0.0)).prefill_worker == "d"  # colocated
+    spatial = policy(length_split="spatial", prior_long_share=0.5, **coloc)
+    long = plan_of(spatial.plan(request(2000), v, 0.0))
+    assert (long.prefill_worker, long.decode_worker) == ("p1", "d")
+    assert plan_of(spatial.plan(request(50), v, 0.0)).prefill_worker in {"p0", "d"}
