@@ -238,12 +238,14 @@ def long_pool_size(
 ) -> int:
     """How many of ``num_hosts`` prefilling workers form the LONG pool: the LONG
     class's share of the work, rounded; the current size (None: none yet) stands while
-    it is within 0.75 of that, so that a share near a half does not move a worker back
-    and forth. A class that still brings ``MIN_CLASS_SHARE`` of the requests keeps a
-    worker of its own while there are two to share."""
+    it is within 0.75 workers, or 5% of the hosts, of that, so that a share near a half
+    does not move a worker back and forth, nor the noise of the share move a large
+    pool at every request. A class that still brings ``MIN_CLASS_SHARE`` of the requests
+    keeps a worker of its own while there are two to share."""
     target = long_share * num_hosts
     size = current
-    if size is None or size > num_hosts or abs(target - size) > 0.75:
+    hold = max(0.75, 0.05 * num_hosts)
+    if size is None or size > num_hosts or abs(target - size) > hold:
         size = min(num_hosts, math.floor(target + 0.5))
     if long_request_share >= MIN_CLASS_SHARE:
         size = max(size, min(1, num_hosts))

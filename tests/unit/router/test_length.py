@@ -108,6 +108,9 @@ def test_long_pool_size_follows_the_share_and_holds_near_a_boundary() -> None:
     assert long_pool_size(0.9, 1.0, 2, current=1) == 2
     assert long_pool_size(0.5, 0.5, 3, current=5) == 2
     assert long_pool_size(0.25, 0.1, 2, current=None) == 1  # the first size: rounded
+    # A large pool holds within 5% of the hosts: 256 hosts, 12.8 workers either way.
+    assert long_pool_size(0.27, 0.2, 256, current=64) == 64
+    assert long_pool_size(0.31, 0.2, 256, current=64) == 79
 
 
 def test_a_class_that_brings_requests_keeps_a_worker_of_its_own() -> None:
