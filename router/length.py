@@ -33,6 +33,8 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from router.cost_model import CostModel, QuadCoeffs, prefill_knee_tokens
 from router.types import LengthClass, RequestProfile, Role, WorkerView
 
@@ -206,12 +208,18 @@ def prefill_curve(
 class LongPool:
     """The spatial split's LONG pool over a table's workers: ``size`` of the workers
     that prefill, prefill workers first (by sorted id, from the last), then mixed ones
-    (whose decodes a long prompt's chunks would stall)."""
+    (whose decodes a long prompt's chunks would stall).
+
+    ``order`` ranks the hosts once per set of workers (a join, a leave or a flip
+    rebuilds the table); a new size then costs one comparison per worker. Sorting
+    the hosts at every resize took 0.3-0.4 ms at 1024 workers, in about one decision
+    of 25 on a noisy share (``benchmarks/router.py``, live)."""
 
     def __init__(self) -> None:
         self.size = 0
         self._num_hosts = 0
         self._sized = False
+        self._rank = np.zeros(0, dtype=np.int64)  # each worker's place among the hosts, or -1
 
     def resize(self, long_share: float, long_request_share: float) -> bool:
         """Size it to the shares (``long_pool_size``); whether the size changed."""
@@ -221,16 +229,21 @@ class LongPool:
         changed, self.size = size != self.size, size
         return changed
 
-    def assign(self, workers: Sequence[WorkerView]) -> tuple[list[bool], bool]:
-        """Which of ``workers`` are in the pool, and whether every host is."""
+    def order(self, workers: Sequence[WorkerView]) -> None:
+        """Rank the hosts among ``workers``: the pool takes them from the last."""
         hosts = sorted(
-            (w for w in workers if w.role in (Role.PREFILL, Role.MIXED)),
-            key=lambda w: (w.role is Role.PREFILL, w.worker_id),
+            (i for i, w in enumerate(workers) if w.role in (Role.PREFILL, Role.MIXED)),
+            key=lambda i: (workers[i].role is Role.PREFILL, workers[i].worker_id),
         )
+        self._rank = np.full(len(workers), -1, dtype=np.int64)
+        self._rank[hosts] = np.arange(len(hosts))
         self._num_hosts = len(hosts)
-        self.size = min(self.size, len(hosts))
-        long_ids = {w.worker_id for w in hosts[len(hosts) - self.size :]}
-        return [w.worker_id in long_ids for w in workers], self.size == len(hosts)
+
+    def members(self) -> tuple[np.ndarray, bool]:
+        """Which of the ranked workers are in the pool, and whether every host is."""
+        self.size = min(self.size, self._num_hosts)
+        in_pool: np.ndarray = self._rank >= self._num_hosts - self.size  # non-hosts: -1
+        return in_pool, self.size == self._num_hosts
 
 
 def long_pool_size(

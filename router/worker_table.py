@@ -143,6 +143,7 @@ class WorkerTable:
         self._draw_tables(workers)
         for i, w in enumerate(workers):
             self._fill_row(i, w)
+        self.long_pool.order(workers)
         self._split_hosts()
 
     def size_long_pool(self, long_share: float, long_request_share: float) -> None:
@@ -151,7 +152,7 @@ class WorkerTable:
             self._split_hosts()
 
     def _split_hosts(self) -> None:
-        in_pool, everyone = self.long_pool.assign(self.workers or ())
+        in_pool, everyone = self.long_pool.members()
         self.in_long_pool[:] = in_pool
         # With every prefilling worker in the LONG pool, a SHORT prompt goes anywhere.
         self.short_hosts[:] = True if everyone else ~self.in_long_pool

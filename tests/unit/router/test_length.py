@@ -84,10 +84,11 @@ def test_long_pool_takes_prefill_workers_first_then_mixed_ones() -> None:
     workers = [worker(w, Role.PREFILL) for w in ("p1", "p0", "p2")]
     workers += [worker("m1", Role.MIXED), worker("d", Role.DECODE), worker("m0", Role.MIXED)]
     pool = LongPool()
+    pool.order(workers)
 
     def members(size: int) -> set[str]:
         pool.size = size
-        in_pool, everyone = pool.assign(workers)
+        in_pool, everyone = pool.members()
         assert everyone == (size >= 5)
         return {w.worker_id for w, x in zip(workers, in_pool, strict=True) if x}
 
