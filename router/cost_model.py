@@ -66,6 +66,10 @@ class QuadCoeffs:
     b: float
     c: float
 
+    def at(self, n: float) -> float:
+        """``a + n(b + cn)``: a prefill curve's seconds for ``n`` tokens."""
+        return self.a + n * (self.b + self.c * n)
+
 
 @dataclass(frozen=True, slots=True)
 class TransferCoeffs:
@@ -77,6 +81,10 @@ class TransferCoeffs:
 class EncodeCoeffs:
     a: float = 0.0
     b: float = 0.0  # seconds per image token
+
+    def encode_s(self, num_image_tokens: float) -> float:
+        """Seconds to encode images of ``num_image_tokens`` tokens (0 for none)."""
+        return self.a + self.b * num_image_tokens if num_image_tokens > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,8 +380,7 @@ class CostModel:
         return num_bytes / bandwidth + link.latency_s if num_bytes > 0 else 0.0
 
     def encode_s(self, num_image_tokens: float) -> float:
-        enc = self.profile.encode
-        return enc.a + enc.b * num_image_tokens if num_image_tokens > 0 else 0.0
+        return self.profile.encode.encode_s(num_image_tokens)
 
     def predict_prefill(self, num_tokens: float) -> Prediction:
         return Prediction(self.prefill_s(num_tokens), self.prefill_error)

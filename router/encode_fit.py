@@ -47,8 +47,7 @@ class EncodeFit:
         return self.estimate
 
     def encode_s(self, num_image_tokens: float) -> float:
-        e = self.estimate
-        return e.a + e.b * num_image_tokens if num_image_tokens > 0 else 0.0
+        return self.estimate.encode_s(num_image_tokens)
 
     def _fit(self) -> EncodeCoeffs:
         ms = [m for m, _ in self._samples]

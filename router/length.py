@@ -106,8 +106,7 @@ class LengthClassifier:
         self._work = [_PRIOR_REQUESTS * self._work_s(knee) * x for x in prior]
 
     def _work_s(self, num_tokens: float) -> float:
-        c = self._prefill
-        return max(c.a + num_tokens * (c.b + c.c * num_tokens), 1e-12)
+        return max(self._prefill.at(num_tokens), 1e-12)
 
     @property
     def long_share(self) -> float:

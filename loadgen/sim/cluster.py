@@ -264,8 +264,7 @@ class SimCluster:
             if plan.encode_worker is not None:
                 self._encode_remotely(req, plan, now_s)
                 return
-            encode = self.profile.encode
-            req.encode_s = encode.a + encode.b * req.num_image_tokens
+            req.encode_s = self.profile.encode.encode_s(req.num_image_tokens)
         prefill.enqueue_prefill(req, now_s)
         self.router.release(req.request_id, prefill.worker_id)  # its queue counts it now
 
@@ -279,7 +278,7 @@ class SimCluster:
         self._parts_left[req.request_id] = len(parts)
         for encoder_id, first, end in parts:
             num_tokens = round((end - first) * per_image)
-            encode_s = encode.a + encode.b * num_tokens
+            encode_s = encode.encode_s(num_tokens)
             start_s = max(now_s, self._encoder_free_s.get(encoder_id, 0.0))
             self._encoder_free_s[encoder_id] = start_s + encode_s
             landed_s = start_s + encode_s + self.profile.transfer.latency_s

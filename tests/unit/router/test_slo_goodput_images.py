@@ -4,26 +4,34 @@ are split, on constructed views (``builders.PROFILE``; see test_slo_goodput.py).
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from router.cost_model import save_profile
+from router.policies.slo_goodput import SloGoodput
 from router.types import Role
 from tests.unit.router.builders import PROFILE, plan_of, policy, prefill_s, request, view, worker
 
 PROMPT = 500
 
 
-def test_images_go_to_the_least_loaded_encoder(tmp_path) -> None:
+@pytest.fixture
+def pol(tmp_path: Path) -> SloGoodput:
+    """slo_goodput seeded with ``builders.PROFILE``, which has an encode term, from a file."""
     path = tmp_path / "profile.json"
     save_profile(PROFILE, path)
+    return policy(profile=str(path))
+
+
+def test_images_go_to_the_least_loaded_encoder(pol: SloGoodput) -> None:
     v = view(
         worker("e_busy", Role.ENCODE, short_tokens=5000, short_requests=1),
         worker("e_idle", Role.ENCODE),
         worker("p", Role.PREFILL),
         worker("d", Role.DECODE),
     )
-    plan = plan_of(policy(profile=str(path)).plan(request(PROMPT, image_tokens=200), v, 0.0))
+    plan = plan_of(pol.plan(request(PROMPT, image_tokens=200), v, 0.0))
     assert plan.encode_worker == "e_idle"
     # encode 0.005 + 200e-5 and the embeddings' link latency 0.001 (the prefill worker is
     # idle, so nothing overlaps it); prefill and transfer of 700 tokens.
@@ -32,16 +40,14 @@ def test_images_go_to_the_least_loaded_encoder(tmp_path) -> None:
 
 
 def test_images_are_encoded_on_the_prefill_worker_when_every_encoder_is_swamped(
-    tmp_path,
+    pol: SloGoodput,
 ) -> None:
-    path = tmp_path / "profile.json"
-    save_profile(PROFILE, path)
     swamped = view(
         worker("e", Role.ENCODE, short_tokens=5000, short_requests=10),
         worker("p", Role.PREFILL),
         worker("d", Role.DECODE),
     )
-    plan = plan_of(policy(profile=str(path)).plan(request(PROMPT, image_tokens=200), swamped, 0.0))
+    plan = plan_of(pol.plan(request(PROMPT, image_tokens=200), swamped, 0.0))
     assert plan.encode_worker is None  # 5000 queued tokens cost 50 ms > 2 x 7 ms encoding here
     expected = 0.005 + 0.002 + prefill_s(700) + 700 * 1e5 / 1e9 + 0.001
     assert plan.predicted_ttft_s == pytest.approx(expected)
@@ -51,15 +57,13 @@ def test_images_are_encoded_on_the_prefill_worker_when_every_encoder_is_swamped(
         worker("p", Role.PREFILL, short_tokens=2000, short_requests=4),
         worker("d", Role.DECODE),
     )
-    plan = plan_of(policy(profile=str(path)).plan(request(PROMPT, image_tokens=200), behind, 0.0))
+    plan = plan_of(pol.plan(request(PROMPT, image_tokens=200), behind, 0.0))
     assert plan.encode_worker == "e"
 
 
 def test_a_request_s_images_are_split_over_encoders_when_that_lands_them_sooner(
-    tmp_path,
+    pol: SloGoodput,
 ) -> None:
-    path = tmp_path / "profile.json"
-    save_profile(PROFILE, path)
     v = view(
         worker("e0", Role.ENCODE),
         worker("e1", Role.ENCODE),
@@ -68,7 +72,7 @@ def test_a_request_s_images_are_split_over_encoders_when_that_lands_them_sooner(
         worker("d", Role.DECODE),
     )
     four = replace(request(PROMPT, image_tokens=400), num_images=4)
-    plan = plan_of(policy(profile=str(path)).plan(four, v, 0.0))
+    plan = plan_of(pol.plan(four, v, 0.0))
     # All on e0: 0.005 + 400e-5 + 1 ms = 10 ms; two images each on e0 and e1: 0.005 +
     # 200e-5 + 1 ms = 8 ms; three parts (2, 1, 1 images; e2 queues 10 ms): 18 ms.
     assert plan.encode_parts == (("e0", 0, 2), ("e1", 2, 4)) and plan.encode_worker == "e0"
@@ -77,16 +81,13 @@ def test_a_request_s_images_are_split_over_encoders_when_that_lands_them_sooner(
     assert plan.predicted_ttft_s == pytest.approx(expected)
     # One image is never split.
     one = replace(request(PROMPT, image_tokens=400), num_images=1)
-    plan = plan_of(policy(profile=str(path)).plan(one, v, 0.0))
+    plan = plan_of(pol.plan(one, v, 0.0))
     assert plan.encode_parts == () and plan.encode_worker == "e0"
     assert plan.encode_split(1) == (("e0", 0, 1),)
 
 
-def test_the_encode_term_is_fitted_from_observed_encodes(tmp_path) -> None:
-    path = tmp_path / "profile.json"
-    save_profile(PROFILE, path)
+def test_the_encode_term_is_fitted_from_observed_encodes(pol: SloGoodput) -> None:
     v = view(worker("p", Role.PREFILL), worker("d", Role.DECODE))
-    pol = policy(profile=str(path))
     before = plan_of(pol.plan(request(PROMPT, image_tokens=200), v, 0.0)).predicted_ttft_s
     for _ in range(8):
         pol.observe_encode("e", 200, 0.107)  # 0.1 s slower than the profile's 7 ms
