@@ -31,6 +31,7 @@ O(S·n) without redrawing.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -46,6 +47,7 @@ __all__ = [
     "peak_per_draw",
     "remaining_tokens",
     "sample_output_lengths",
+    "sample_output_lengths_of_one",
     "sorted_history",
 ]
 
@@ -135,6 +137,35 @@ def sample_output_lengths(
     if tail is not None:
         drawn = np.where(count > 0, drawn, tail)
     return np.minimum(drawn, cap)
+
+
+def sample_output_lengths_of_one(
+    sorted_lengths: list[float], num_generated: float, max_tokens: float, u: list[float]
+) -> list[float]:
+    """``sample_output_lengths`` for one request, a draw per ``u``, in Python floats: the
+    same operations on the same doubles, so the same values (``sorted_lengths`` is
+    sorted ``H`` as a list). For a few draws of one request a numpy call per operation
+    costs more than the arithmetic."""
+    g = num_generated
+    cap = max(max_tokens, g)
+    m = len(sorted_lengths)
+    lo = bisect_right(sorted_lengths, g)  # first entry longer than g
+    count = m - lo
+    out = []
+    for x in u:
+        if m == 0 or count == 0:  # outran all of H: only the cap bounds it
+            drawn = min(g + x * (cap - g), cap)
+        else:
+            pos = lo + x * max(count - 1, 0)
+            if m == 1:
+                drawn = sorted_lengths[0]
+            else:
+                j = min(int(pos), m - 2)
+                base = sorted_lengths[j]
+                drawn = base + (pos - j) * (sorted_lengths[j + 1] - base)
+            drawn = min(drawn, cap)
+        out.append(drawn)
+    return out
 
 
 def _interp_unit(pos: np.ndarray, values: np.ndarray) -> np.ndarray:

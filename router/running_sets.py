@@ -13,14 +13,13 @@ nothing and reads no rows. Only a new report's set is read and drawn in full.
 from __future__ import annotations
 
 import operator
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
-from router.estimator import PeakTable
+from router.estimator import PeakTable, sample_output_lengths_of_one
 from router.types import RunningRequest
 
 __all__ = [
@@ -124,30 +123,11 @@ def derived_entry(
 def remaining_tokens_of_one(
     sorted_lengths: list[float], num_generated: float, max_tokens: float, u: list[float]
 ) -> list[float]:
-    """``router.estimator.remaining_tokens`` for one request, a draw per ``u``, in Python floats: the
-    same operations on the same doubles, so the same values (``sorted_lengths`` is
-    sorted ``H`` as a list). For a few draws of one request a numpy call per operation
-    costs more than the arithmetic."""
+    """``router.estimator.remaining_tokens`` for one request, a draw per ``u``, in
+    Python floats (``sample_output_lengths_of_one``: the same values)."""
     g = num_generated
-    cap = max(max_tokens, g)
-    m = len(sorted_lengths)
-    lo = bisect_right(sorted_lengths, g)  # first entry longer than g
-    count = m - lo
-    out = []
-    for x in u:
-        if m == 0 or count == 0:  # outran all of H: only the cap bounds it
-            drawn = min(g + x * (cap - g), cap)
-        else:
-            pos = lo + x * max(count - 1, 0)
-            if m == 1:
-                drawn = sorted_lengths[0]
-            else:
-                j = min(int(pos), m - 2)
-                base = sorted_lengths[j]
-                drawn = base + (pos - j) * (sorted_lengths[j + 1] - base)
-            drawn = min(drawn, cap)
-        out.append(max(drawn - g - 1.0, 0.0))
-    return out
+    drawn = sample_output_lengths_of_one(sorted_lengths, g, max_tokens, u)
+    return [max(x - g - 1.0, 0.0) for x in drawn]
 
 
 def running_rows(running: Sequence[RunningRequest]) -> np.ndarray:

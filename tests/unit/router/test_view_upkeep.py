@@ -83,12 +83,14 @@ def test_the_policys_history_is_the_output_length_history_it_replaced(count: int
         lengths=lengths[-window:],
     ).sorted_lengths()
     assert np.array_equal(policy._table.sorted_history, expected)
-    # The candidates' ring as the replaced code drew it: one (g, cap) pair per draw.
-    u = policy._ring_u.reshape(1, -1)
+    # The candidates' ring, drawn a row at a time, as the replaced code drew it at once:
+    # one (g, cap) pair per draw, by numpy.
+    u = np.array(policy._ring_u).reshape(1, -1)
     zeros = np.zeros(u.shape[1])
     uncapped = np.full(u.shape[1], float(expected[-1]) + 1.0)
-    ring = sample_output_lengths(expected, zeros, uncapped, u).reshape(policy._ring_u.shape)
-    assert np.array_equal(policy._ring, ring)
+    ring = sample_output_lengths(expected, zeros, uncapped, u).reshape(-1, policy.num_draws)
+    rows = [policy._next_candidate() for _ in range(len(ring))]
+    assert np.array_equal(np.array(rows), ring)
 
 
 def _snapshot(rng: random.Random, wid: str, role: Role, seq: int) -> WorkerSnapshot:
