@@ -14,7 +14,6 @@ server, workload and SLO of ``benchmarks/overload.py`` (``--phases``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from loadgen.arrivals import RateSpec
 from loadgen.client import BenchConfig, run_bench
 from loadgen.scenario import WorkloadConfig
 from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
+from tests.e2e import overload_bench
 
 pytestmark = [pytest.mark.slow]
 
@@ -41,15 +41,6 @@ DECODE_HEAVY = WorkloadConfig(input_len="uniform:32-64", output_len="160", seed=
 PHASES = (("prefill-heavy", PREFILL_HEAVY, 6.0), ("decode-heavy", DECODE_HEAVY, 6.0))
 INTERVAL_S = 2.0  # router.rebalance_interval_s with the planner on
 _FLIP = re.compile(r'baton_role_changes_total\{from_role="(\w+)",to_role="(\w+)"\} (\S+)')
-
-
-def _benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("overload_bench", ROOT / "benchmarks/overload.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def flips(url: str) -> Counter[str]:
@@ -96,7 +87,7 @@ def run_phases(bench: ModuleType, model: Path, work: Path, rebalance: bool) -> d
 
 
 def test_flips_go_both_ways_and_serve_more_than_a_fixed_split(tmp_path: Path) -> None:
-    bench = _benchmark()
+    bench = overload_bench.load()
     model = bench.save_small_llama(tmp_path / "small-llama")
     fixed = run_phases(bench, model, tmp_path, rebalance=False)
     planned = run_phases(bench, model, tmp_path, rebalance=True)
