@@ -33,9 +33,9 @@ from router.prefix_index import PrefixIndex
 from router.running_sets import RunningEntry, RunningSets
 from router.types import ClusterView, LengthClass, Role, StepSample, WorkerView
 
-__all__ = ["TableSettings", "WorkerTable"]
+__all__ = ["ROLE_CODES", "TableSettings", "WorkerTable"]
 
-_ROLE_CODES = {Role.PREFILL: 0, Role.DECODE: 1, Role.MIXED: 2, Role.ENCODE: 3}
+ROLE_CODES = {Role.PREFILL: 0, Role.DECODE: 1, Role.MIXED: 2, Role.ENCODE: 3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +166,7 @@ class WorkerTable:
         model = self._cost_model_for(w.worker_id)
         self._ingest_steps(w, model)
         usable = w.alive and not w.draining
-        self.role[i] = _ROLE_CODES[role]
+        self.role[i] = ROLE_CODES[role]
         self.usable[i] = usable
         self.prefix_index.update(i, w.prefix_digest)
         bandwidth = w.link_bandwidth_bytes_per_s or transfer.bandwidth_bytes_per_s
@@ -356,13 +356,13 @@ class WorkerTable:
         self._last_step_end_s[w.worker_id] = newest
 
     def is_role(self, role: Role) -> np.ndarray:
-        mask: np.ndarray = (self.role == _ROLE_CODES[role]) & self.usable
+        mask: np.ndarray = (self.role == ROLE_CODES[role]) & self.usable
         return mask
 
     def in_roles(self, roles: Sequence[Role]) -> np.ndarray:
         mask = np.zeros(len(self.role), dtype=bool)
         for role in roles:
-            mask |= self.role == _ROLE_CODES[role]
+            mask |= self.role == ROLE_CODES[role]
         result: np.ndarray = mask & self.usable
         return result
 

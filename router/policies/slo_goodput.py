@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,7 @@ from router.types import (
     Role,
     StepSample,
 )
-from router.worker_table import TableSettings, WorkerTable
+from router.worker_table import ROLE_CODES, TableSettings, WorkerTable
 
 __all__ = ["SloGoodput"]
 
@@ -130,6 +131,11 @@ class SloGoodput:
     _ring_next: int = field(init=False, repr=False, default=0)
     _mean_output_len: float = field(init=False, repr=False, default=1.0)
     _observes: bool = field(init=False, repr=False, default=True)
+    _prefilling_codes: frozenset[int] = field(init=False, repr=False)
+    # (profile, the table's workers, per-worker prefill tokens, the fewest), last computed
+    _tokens_of: tuple[RequestProfile, Any, np.ndarray | float, float] | None = field(
+        init=False, repr=False, default=None
+    )
     _spatial: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +158,9 @@ class SloGoodput:
             stall_weight=self.stall_weight,
         )
         self._table = WorkerTable(settings, self.cost_model, rng)
+        self._prefilling_codes = frozenset(
+            ROLE_CODES[r] for r in (Role.PREFILL, *self.colocate_roles)
+        )
         self._observes = self.classifier is None
         self._classifier = self.classifier or LengthClassifier(
             self._profile.prefill,
@@ -258,9 +267,9 @@ class SloGoodput:
         budget_s = ttft_s * headroom - elapsed_s if ttft_s is not None else math.inf
         tpot_limit_s = tpot_s * headroom if tpot_s is not None else math.inf
 
+        n, least = self._prefill_tokens(profile)
         if self._observes:
-            self._classifier.observe(effective_prefill_tokens(profile))
-        n = self._prefill_tokens(profile)
+            self._classifier.observe(least)
         is_long = n >= self._classifier.threshold_tokens
         prefill_s = t.pa + n * (t.pb + n * t.pc)
         match is_long:
@@ -363,19 +372,39 @@ class SloGoodput:
             case _:
                 return t.in_long_pool if is_long else t.short_hosts
 
-    def _prefill_tokens(self, profile: RequestProfile) -> np.ndarray | float:
-        """Effective prefill tokens: per worker from the prefix digests, else the gateway's."""
+    def least_prefill_tokens(self, profile: RequestProfile, view: ClusterView) -> float:
+        """The fewest tokens ``profile`` would prefill on a worker that prefills: all of
+        them but its longest cached prefix there (what θ observes, ``router.Router``)."""
+        self.refresh(view)
+        return self._prefill_tokens(profile)[1]
+
+    def _prefill_tokens(self, profile: RequestProfile) -> tuple[np.ndarray | float, float]:
+        """Effective prefill tokens: per worker from the prefix digests, else the
+        gateway's; and the fewest among the usable workers that prefill. Kept for the
+        ``plan`` of the same request on the same rows (the router asks for the fewest
+        first, with ``least_prefill_tokens``)."""
         t = self._table
+        cached = self._tokens_of
+        if cached is not None and cached[0] is profile and cached[1] is t.workers:
+            return cached[2], cached[3]
         if not profile.prefix_hashes:
-            return float(max(1, effective_prefill_tokens(profile)))
-        matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
-        total = profile.num_prompt_tokens + profile.num_image_tokens
-        n = np.empty(len(t.role))
-        n.fill(float(total))
-        block_size = t.block_size
-        for index, blocks in matched.items():  # a few workers: Python floats, same values
-            n[index] = max(1.0, total - blocks * float(block_size[index]))
-        return n
+            least = float(max(1, effective_prefill_tokens(profile)))
+            n: np.ndarray | float = least
+        else:
+            matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
+            total = float(profile.num_prompt_tokens + profile.num_image_tokens)
+            n = np.empty(len(t.role))
+            n.fill(total)
+            least = total
+            block_size, role, usable = t.block_size, t.role, t.usable
+            prefilling = self._prefilling_codes
+            for index, blocks in matched.items():  # a few workers: Python floats, same values
+                tokens = max(1.0, total - blocks * float(block_size[index]))
+                n[index] = tokens
+                if tokens < least and usable[index] and int(role[index]) in prefilling:
+                    least = tokens
+        self._tokens_of = (profile, t.workers, n, least)
+        return n, least
 
     def _next_candidate(self) -> list[float]:
         """The next pre-drawn candidate's output lengths against today's H (a new request

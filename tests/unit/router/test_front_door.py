@@ -27,6 +27,7 @@ def snapshot(
     free_blocks: int = 1000,
     waiting: tuple[int, ...] = (),
     running: tuple[RunningRequest, ...] = (),
+    prefix_digest: tuple[int, ...] = (),
 ) -> WorkerSnapshot:
     return WorkerSnapshot(
         worker_id=worker_id,
@@ -49,6 +50,7 @@ def snapshot(
         kv_bytes_per_token=100_000,
         max_num_seqs=64,
         max_model_len=4096,
+        prefix_digest=prefix_digest,
     )
 
 
@@ -111,6 +113,21 @@ def test_theta_moves_only_with_new_requests_not_while_one_is_held() -> None:
     assert r.classifier.threshold_tokens == pytest.approx(theta * up)
     r.place(request("new", prompt=600), 5.0)
     assert r.classifier.threshold_tokens == pytest.approx(theta * up * up)
+
+
+def test_theta_sees_a_prompt_as_what_it_prefills_where_its_prefix_is_cached() -> None:
+    # 500 tokens, 31 full blocks of 16; "p" holds the first 30: 20 tokens to prefill there.
+    blocks = tuple(range(1000, 1031))
+    cached = router()
+    cached.update(snapshot("p", Role.PREFILL, seq=2, prefix_digest=blocks[:30]))
+    cold = router()
+    theta = cold.classifier.threshold_tokens  # 100, the knee of PROFILE's prefill curve
+    for r in (cached, cold):
+        assert isinstance(r.place(replace(request("a"), prefix_hashes=blocks), 0.0), Plan)
+    assert cached.classifier.threshold_tokens < theta < cold.classifier.threshold_tokens
+    # The length classes' shares (the spatial LONG pool's size) count it as short.
+    assert cached.classifier.long_request_share < cold.classifier.long_request_share
+    assert cached.classifier.long_share < cold.classifier.long_share
 
 
 def test_a_plan_is_reserved_until_released() -> None:

@@ -72,9 +72,13 @@ def test_shortcuts_equal_the_replaced_computations(seed: int) -> None:
             prompt = rng.randint(1, 4000)
             hashes = tuple(rng.randrange(24) for _ in range(rng.randint(0, 6)))
             profile = RequestProfile("r", prompt, prompt, 256, prefix_hashes=hashes)
-            n = policy._prefill_tokens(profile)
+            n, least = policy._prefill_tokens(profile)
             if hashes:
                 assert np.array_equal(n, _reference_prefill_tokens(t, profile))
+                capable = t.in_roles((Role.PREFILL, *policy.colocate_roles))
+                assert least == n[capable].min()  # what θ observes
+            else:
+                assert n == least == prompt
             mean = policy._mean_output_len
             got = policy._colocated_tpot_s(t, n)
             assert np.array_equal(got, _reference_colocated_tpot_s(t, n, mean))

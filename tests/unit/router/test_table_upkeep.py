@@ -33,7 +33,7 @@ from router.types import (
     StepSample,
     WorkerView,
 )
-from router.worker_table import _ROLE_CODES, TableSettings, WorkerTable
+from router.worker_table import ROLE_CODES, TableSettings, WorkerTable
 from services.workers.messages import WorkerSnapshot
 
 
@@ -71,7 +71,7 @@ def _reference_fill_row(t: WorkerTable, i: int, w: WorkerView) -> None:
     s = t.settings
     model = t._cost_model_for(w.worker_id)
     _reference_ingest(t, w, model)
-    t.role[i] = _ROLE_CODES[w.role]
+    t.role[i] = ROLE_CODES[w.role]
     t.usable[i] = w.alive and not w.draining
     t.prefix_index.update(i, w.prefix_digest)
     t.bandwidth[i] = w.link_bandwidth_bytes_per_s or s.profile.transfer.bandwidth_bytes_per_s
