@@ -77,15 +77,16 @@ TURNS = 4
 _SEGMENT_HASH_STRIDE = 1 << 48  # past any block id one segment's requests use
 
 
-def baton_router(profile: Profile, duration_s: float, served: bool = False) -> RouterSettings:
-    """Baton's router for these runs: a planner interval the run can use (a dozen
-    decisions), the temporal length split and colocation on mixed workers only, as the
-    reported figures were measured. The served defaults (``spatial``; decode workers
-    also run whole requests) once lost badly here, while the spatial long pool was a
-    fixed share of the prefill workers; now that it follows the long prompts' share of
-    the work they are level (16 GPUs, Baton alone, every worker mixed in both:
-    stationary 786.9 served against 768.4 req/s, phase shift 210.6 against 212.0).
-    ``served`` (``--served-router``): the served defaults."""
+def baton_router(profile: Profile, duration_s: float, served: bool = True) -> RouterSettings:
+    """Baton's router for these runs: ``baton serve``'s settings (the spatial length split;
+    decode workers also run whole requests) with a planner interval the run can use (a
+    dozen decisions). ``served=False`` (``--router temporal``): the temporal split and
+    colocation on mixed workers only, the settings earlier figures were measured with
+    while the spatial LONG pool was a fixed share of the prefill workers and lost badly
+    here. At 16 GPUs, Baton alone, served against temporal: stationary 813.0 against
+    768.4 req/s, phase shift 211.1 against 212.0, memory-bound 13.9 against 14.1,
+    multi-turn 857 against 882 (all mixed: once θ saw a turn as what it prefills where its
+    conversation is cached; 715 before)."""
     if served:
         return RouterSettings(profile=profile, rebalance_interval_s=duration_s / 12)
     return RouterSettings(
@@ -205,7 +206,7 @@ def goodput_at(points: list[tuple[float, float]], target: float = TARGET_ATTAINM
 class Grid:
     duration_s: float  # simulated seconds of arrivals per run
     bisect_steps: int  # rate bisections after the bracket's two ends
-    served_router: bool = False  # Baton with the served router settings (--served-router)
+    served_router: bool = True  # Baton with baton serve's router settings (--router served)
 
 
 def bound_rps(workload: Workload, gpus: int, profile: Profile) -> float:
@@ -318,9 +319,11 @@ def main() -> int:
         "--profile", default=None, help="for every workload (default: each workload's own)"
     )
     parser.add_argument(
-        "--served-router",
-        action="store_true",
-        help="Baton with the served router settings (spatial split, decode workers colocate)",
+        "--router",
+        choices=("served", "temporal"),
+        default="served",
+        help="Baton's router settings: baton serve's (spatial split, decode workers "
+        "colocate), or the temporal split with mixed workers colocating only",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-out/policies"))
     args = parser.parse_args()
@@ -335,9 +338,9 @@ def main() -> int:
         for gpus in (int(g) for g in args.gpus.split(",")):
             coarse = gpus > args.large_gpus
             grid = (
-                Grid(args.large_duration, args.large_bisect_steps, args.served_router)
+                Grid(args.large_duration, args.large_bisect_steps, args.router == "served")
                 if coarse
-                else Grid(args.duration, args.bisect_steps, args.served_router)
+                else Grid(args.duration, args.bisect_steps, args.router == "served")
             )
             if not coarse:  # the coarse search stays short: its rows say so
                 grid = replace(grid, duration_s=max(grid.duration_s, workload.min_duration_s))
