@@ -23,7 +23,6 @@ ratios (CPU seconds per wave, e.g. Baton over vLLM: < 1 is faster).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -38,17 +37,14 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
+from loadgen.scripts import load_script  # noqa: E402
 
 SIDES = ("baton", "baton-torch", "vllm")
 
 
 def save_llama_100m(folder: Path) -> Any:
     """benchmarks/engine.py's ~76M random Llama (what vs_vllm.py serves)."""
-    spec = importlib.util.spec_from_file_location("baton_bench_engine", _HERE / "engine.py")
-    assert spec is not None and spec.loader is not None
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.save_llama_100m(folder)
+    return load_script(_HERE / "engine.py", "baton_bench_engine").save_llama_100m(folder)
 
 
 def _baton(folder: Path, cpu_kernels: bool) -> Any:

@@ -21,13 +21,11 @@ The rebalancer is off unless ``--rebalance``: this measures admission on a fixed
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -40,6 +38,7 @@ from loadgen.client import BenchConfig  # noqa: E402
 from loadgen.metrics import GoodputSLO  # noqa: E402
 from loadgen.overload import OverloadConfig, run_overload  # noqa: E402
 from loadgen.scenario import WorkloadConfig  # noqa: E402
+from loadgen.scripts import load_script  # noqa: E402
 from loadgen.server_proc import baton_serving  # noqa: E402
 from services.heap import freeze_startup_heap  # noqa: E402
 
@@ -49,24 +48,18 @@ WORKLOAD = WorkloadConfig(input_len="lognormal:mean=200,sigma=0.8", output_len="
 
 def save_small_llama(folder: Path) -> Path:
     """A random 15M-parameter Llama (hidden 384, 6 layers, 6/2 heads, vocab 4096)."""
-    _engine_bench().save_random_llama(folder, 4096, 384, 1024, 6, 6, 2)
+    load_script(_HERE / "engine.py", "bench_engine").save_random_llama(
+        folder, 4096, 384, 1024, 6, 6, 2
+    )
     return folder
 
 
 def save_medium_llama(folder: Path) -> Path:
     """A random 53M-parameter Llama (hidden 768, 8 layers, 12/4 heads, vocab 4096)."""
-    _engine_bench().save_random_llama(folder, 4096, 768, 2048, 8, 12, 4)
+    load_script(_HERE / "engine.py", "bench_engine").save_random_llama(
+        folder, 4096, 768, 2048, 8, 12, 4
+    )
     return folder
-
-
-def _engine_bench() -> Any:
-    """benchmarks/engine.py, which has the one random-Llama builder."""
-    spec = importlib.util.spec_from_file_location("bench_engine", _HERE / "engine.py")
-    assert spec is not None and spec.loader is not None
-    engine = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = engine  # its dataclasses look their module up there
-    spec.loader.exec_module(engine)
-    return engine
 
 
 def serve_config(policy: str, rebalance: bool, max_hold_s: float) -> dict[str, object]:
