@@ -1,5 +1,5 @@
 """``benchmarks/overload.py`` as a module, for the live tests that run its server,
-workload and SLO."""
+workload and SLO (``test_phase_shift_live``)."""
 
 from __future__ import annotations
 
