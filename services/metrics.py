@@ -144,6 +144,13 @@ class BatonMetrics:
             ["reason", "priority"],
             registry=r,
         )
+        self.admission_share = Gauge(
+            "baton_router_admission_share",
+            "Share of each latency target (ttft, tpot) that admission lets predictions use: "
+            "it falls while admitted requests miss that target and recovers as they meet it",
+            ["target"],
+            registry=r,
+        )
         self.retries = Counter(
             "baton_request_retries",
             "Requests re-planned after a worker failure or a failed transfer",

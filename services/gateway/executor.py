@@ -186,10 +186,18 @@ class PlanExecutor:
                     if delta.token_ids:
                         trace.saw_tokens(time.monotonic(), len(generated))
                     if delta.finish_reason is not None:
-                        self._router.observe_outcome(len(generated), trace.outcome())
+                        self._observe_outcome(len(generated), trace)
                     yield delta
         finally:
             self._router.release(request_id)
+
+    def _observe_outcome(self, num_generated: int, trace: _Trace) -> None:
+        """The finished request teaches the router; ``/metrics`` shows where admission
+        stands after it (a share under 1: admitted requests have been missing)."""
+        self._router.observe_outcome(num_generated, trace.outcome())
+        guard = self._router.admission.guard
+        self._metrics.admission_share.labels("ttft").set(guard.ttft)
+        self._metrics.admission_share.labels("tpot").set(guard.tpot)
 
     async def _attempts(
         self,

@@ -323,6 +323,26 @@ async def test_a_finished_request_teaches_the_router_its_workers_observed_speed(
     assert router.corrector.ttft_s("p", 1e-6) > 1e-6
 
 
+async def test_metrics_show_the_admission_share_fall_as_admitted_requests_miss() -> None:
+    import time
+
+    from router.types import SLO
+
+    p = ScriptedWorker("p", prefill_script)
+    d = ScriptedWorker("d", lambda job: [delta(B), delta(C), delta(D, FinishReason.LENGTH)])
+    executor, metrics, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
+    share = metrics.admission_share.labels
+    sampling = SamplingParams(max_tokens=4, temperature=0.0)
+    met = SLO(ttft_s=60.0, tpot_s=60.0)
+    [x async for x in executor.run("met", PROMPT, sampling, time.monotonic(), slo=met)]
+    assert share("ttft")._value.get() == share("tpot")._value.get() == 1.0
+    missed = SLO(ttft_s=1e-9, tpot_s=60.0)  # no first token comes within a nanosecond
+    [x async for x in executor.run("missed", PROMPT, sampling, time.monotonic(), slo=missed)]
+    guard = executor._router.admission.guard
+    assert share("ttft")._value.get() == guard.ttft < 1.0
+    assert share("tpot")._value.get() == 1.0
+
+
 def test_observed_tpot_counts_decode_steps_not_the_hand_off() -> None:
     """The plan predicts TPOT as one decode step; the hand-off (KV pull, adopt) before the
     second token is the transfer's. A 2-token request has no decode step to report."""
