@@ -126,15 +126,21 @@ class Admission:
             # The queue ahead as it is now: a request joining it waits about as long as
             # the one at its head has (the model and its correction lag behind a
             # worker that has just slowed down, or a burst that has just arrived).
-            corrected_ttft_s = max(
-                corrected_ttft_s, waited_s, plan.predicted_ttft_s * prefill_slowdown
+            # The refusal names the estimate that decided it (a 429's reason, and the
+            # rejections' label in /metrics): the learned model, the queue's head, or the
+            # worker's speed now.
+            corrected_ttft_s, bound = max(
+                (corrected_ttft_s, "model"),
+                (waited_s, "queue wait"),
+                (plan.predicted_ttft_s * prefill_slowdown, "prefill speed"),
+                key=lambda term: term[0],
             )
             elapsed_s = max(0.0, now_s - profile.arrival_s)
             if (
                 ttft_target_s is not None
                 and elapsed_s + corrected_ttft_s > ttft_headroom * ttft_target_s
             ):
-                return self._refuse("predicted ttft miss", corrected_ttft_s)
+                return self._refuse(f"predicted ttft miss ({bound})", corrected_ttft_s)
         if plan.predicted_tpot_s is not None and tpot_target_s is not None:
             decode = plan.decode_worker or plan.prefill_worker
             corrected_tpot_s = plan.predicted_tpot_s

@@ -71,7 +71,7 @@ def test_batch_is_shed_first_then_interactive_as_the_worker_slows() -> None:
     r = build(FakePredictingPolicy(ttft_s=0.5))
     teach(r, ttft_factor=1.8)  # 0.5 -> 0.9: batch (0.8 s) misses, interactive (1 s) meets
     batch = ask(r, "b", Priority.BATCH)
-    assert isinstance(batch, Reject) and batch.reason == "predicted ttft miss"
+    assert isinstance(batch, Reject) and batch.reason == "predicted ttft miss (model)"
     assert isinstance(ask(r, "i"), Plan)
     teach(r, ttft_factor=2.4)  # slower still: 0.5 -> over 1 s, interactive misses too
     refused = ask(r, "i2")
@@ -130,7 +130,7 @@ def test_a_queue_that_has_kept_its_head_waiting_refuses_before_the_model_learns_
     assert isinstance(r.place(old, 0.0), Plan)
     assert r.pending_age_s("p", 1.2) == 1.2 and r.pending_age_s("d", 1.2) == 0.0
     late = r.place(RequestProfile("new", 100, 100, 16, arrival_s=1.2), 1.2)
-    assert isinstance(late, Reject) and late.reason == "predicted ttft miss"
+    assert isinstance(late, Reject) and late.reason == "predicted ttft miss (queue wait)"
     assert late.retry_after_s >= 1.2
     r.release("old", "p")  # p's first event for it: p's queue no longer holds it
     assert isinstance(r.place(RequestProfile("new2", 100, 100, 16, arrival_s=1.2), 1.2), Plan)
@@ -208,7 +208,7 @@ def test_a_plan_is_priced_at_the_speed_the_prefill_worker_prefills_now() -> None
     r.update(dataclasses.replace(queued, recent_steps=steps))
     assert r.recent_slowdown("p", prefill=True) == pytest.approx(2.5)
     refused = ask(r, "i")
-    assert isinstance(refused, Reject) and refused.reason == "predicted ttft miss"
+    assert isinstance(refused, Reject) and refused.reason == "predicted ttft miss (prefill speed)"
     r.update(dataclasses.replace(snapshot("p", Role.PREFILL, 3), recent_steps=steps))
     assert r.recent_slowdown("p", prefill=True) == 0.0
     assert isinstance(ask(r, "j"), Plan)
