@@ -1,11 +1,11 @@
 """The P/D ratio planner: when to flip one worker between roles (how many of each a
 target rate needs is ``router.pool_sizing``).
 
-``RatioPlanner.decide`` flips at most one worker per interval: each role's pressure is predicted TTFT / target (prefill) or the
-larger of peak KV fraction and predicted TPOT / target (decode); a mixed
-worker's is the larger of its TTFT and its TPOT (its mean step, with the stalls of
-the prefill chunks queued there spread over the mean output) against their
-targets. Pressure is taken to scale as ``1/pool size``. Both ways:
+``RatioPlanner.decide`` flips at most one worker per interval: each role's pressure
+is predicted TTFT / target (prefill) or the larger of peak KV fraction and predicted
+TPOT / target (decode); a mixed worker's is the larger of its TTFT and its TPOT (its
+mean step, with the stalls of the prefill chunks queued there spread over the mean
+output) against their targets. Pressure is taken to scale as ``1/pool size``. Both ways:
 
 * prefill <-> decode when moving one worker lowers the larger pressure by more
   than ``hysteresis`` (never emptying a pool);

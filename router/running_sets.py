@@ -180,9 +180,11 @@ class RunningSets:
         self, entries: Sequence[RunningEntry], running: tuple[RunningRequest, ...]
     ) -> RunningEntry | None:
         """``running`` derived from a cached set, its draws kept (``derived_entry``)."""
-        return derived_entry(entries, running, self._history_floats, self._rng, self._num_draws)
+        return derived_entry(entries, running, self.history_floats, self._rng, self._num_draws)
 
-    def _history_floats(self) -> list[float]:
+    def history_floats(self) -> list[float]:
+        """Sorted H as Python floats, converted once per H (the policy's candidates are
+        drawn against it too)."""
         history = self._history()
         cached = self._history_list
         if cached is None or cached[0] is not history:

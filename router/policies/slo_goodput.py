@@ -127,7 +127,6 @@ class SloGoodput:
     _profile: Profile = field(init=False, repr=False)
     _history_source: tuple[int, ...] | None = field(init=False, repr=False, default=None)
     _ring_u: list[list[float]] = field(init=False, repr=False)
-    _history_list: list[float] = field(init=False, repr=False)  # sorted H as floats
     _ring_next: int = field(init=False, repr=False, default=0)
     _mean_output_len: float = field(init=False, repr=False, default=1.0)
     _observes: bool = field(init=False, repr=False, default=True)
@@ -250,7 +249,6 @@ class SloGoodput:
         sorted_h = sorted_history(self.prior_output_len, window, window // 2, lengths)
         self._table.sorted_history = sorted_h
         self._mean_output_len = max(1.0, float(sorted_h.mean()))
-        self._history_list = sorted_h.tolist()
 
     # -- deciding ----------------------------------------------------------------------
 
@@ -413,7 +411,7 @@ class SloGoodput:
         ring, 40-70 µs in one decision of eight at 64 workers."""
         u = self._ring_u[self._ring_next]
         self._ring_next = (self._ring_next + 1) % _CANDIDATE_RING
-        history = self._history_list
+        history = self._table.running_sets.history_floats()
         return sample_output_lengths_of_one(history, 0.0, history[-1] + 1.0, u)
 
     def _pick(
