@@ -30,8 +30,8 @@ import yaml
 from loadgen.arrivals import RateSpec
 from loadgen.client import BenchConfig, run_bench
 from loadgen.scenario import WorkloadConfig
+from loadgen.scripts import load_script
 from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
-from tests.e2e import overload_bench
 
 pytestmark = [pytest.mark.slow]
 
@@ -87,7 +87,7 @@ def run_phases(bench: ModuleType, model: Path, work: Path, rebalance: bool) -> d
 
 
 def test_flips_go_both_ways_and_serve_more_than_a_fixed_split(tmp_path: Path) -> None:
-    bench = overload_bench.load()
+    bench = load_script(ROOT / "benchmarks/overload.py", "overload_bench")
     model = bench.save_small_llama(tmp_path / "small-llama")
     fixed = run_phases(bench, model, tmp_path, rebalance=False)
     planned = run_phases(bench, model, tmp_path, rebalance=True)
