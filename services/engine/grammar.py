@@ -10,6 +10,7 @@
                                                    their disallowed tokens set to -inf
     matcher.accept_token(t); is_terminated()       after sampling; terminated stops the request
 
+xgrammar is imported at first use, so the engine imports (and serves text) without it.
 Compiles run on a helper thread with a deadline, so a pathological schema costs the
 engine at most ``compile_timeout_s`` and answers 400 naming the field.
 """
@@ -23,12 +24,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from services.engine.messages import InvalidRequestError, StructuredOutput
 from services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 __all__ = ["GrammarCompiler", "apply_grammar_masks", "tokenizer_info"]
 
@@ -40,6 +44,8 @@ def tokenizer_info(
     tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]
 ) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary; ``vocab_size`` is the model's (rows of the logits)."""
+    import xgrammar as xgr  # imported at first use: the engine imports without it
+
     if isinstance(tokenizer, HFTokenizer):
         return xgr.TokenizerInfo.from_huggingface(
             tokenizer.hf_tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
@@ -114,6 +120,8 @@ class GrammarCompiler:
         self, structured: StructuredOutput, output_token_ids: Sequence[int] = ()
     ) -> xgr.GrammarMatcher:
         """A matcher in the state after ``output_token_ids`` (tokens generated elsewhere)."""
+        import xgrammar as xgr
+
         matcher = xgr.GrammarMatcher(self.compile(structured))
         for t in output_token_ids:
             if not matcher.accept_token(t):
@@ -124,6 +132,8 @@ class GrammarCompiler:
         return matcher
 
     def _compile_now(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
+
         if self._compiler is None:
             info = tokenizer_info(self._tokenizer, self._vocab_size, self._eos)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
@@ -180,6 +190,8 @@ def apply_grammar_masks(
     rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
     if not rows:
         return logits
+    import xgrammar as xgr
+
     bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
