@@ -117,7 +117,7 @@ def _decode(
         return _decode_bmm(q_fold, pool, layer, g, scale)
     k, v = _gather(pool, layer, g)
     o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.mask, scale=scale)
-    return o.view(g.num_seqs, num_heads * head_dim)
+    return o.reshape(g.num_seqs, num_heads * head_dim)  # CUDA kernels may return it strided
 
 
 def _decode_bmm(
