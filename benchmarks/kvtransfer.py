@@ -13,6 +13,9 @@ on a shared machine hits both alike.
 
 Prints one JSON line per (backend, case):
 ``{"backend", "size_bytes", "scattered", "gbps", "memcpy_gbps", "ratio", ...}``.
+With ``--device cuda`` the holder's blocks live on the second GPU where there is one
+(on one GPU both sides share it, and ``torch``, whose NCCL wants a GPU per rank, is
+reported as skipped).
 """
 
 from __future__ import annotations
@@ -153,9 +156,16 @@ def _measure(
 
 
 def run_backend(backend: str, device: str) -> list[dict[str, Any]]:
+    holder_device = device  # on CUDA: the second GPU where there is one
+    if device == "cuda" and torch.cuda.device_count() > 1:
+        holder_device = "cuda:1"
+    elif device == "cuda" and backend == "torch":  # NCCL: "Duplicate GPU detected"
+        why = "NCCL needs a GPU per rank: the holder and the puller need 2 GPUs"
+        print(json.dumps({"backend": backend, "device": device, "skipped": why}), flush=True)
+        return []
     ctx = mp.get_context("spawn")
     pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=_holder, args=(backend, device, child), daemon=True)
+    proc = ctx.Process(target=_holder, args=(backend, holder_device, child), daemon=True)
     proc.start()
     rows = []
     conn = make_connector(backend, lease_s=60.0, transfer_timeout_s=60.0)

@@ -200,8 +200,15 @@ class TorchConnector:
     def _serve_channel(self, sock: socket.socket) -> None:
         self._channel_socks.add(sock)
         try:
+            cuda = [r.tensor.device for r in self._regions.values() if r.is_cuda]
             serve_channel(
-                sock, self.host, self.transfer_timeout_s, self._lend, self._end_loan, self._closed
+                sock,
+                self.host,
+                self.transfer_timeout_s,
+                self._lend,
+                self._end_loan,
+                self._closed,
+                cuda[0] if cuda else None,
             )
         except (OSError, ConnectionError, KeyError, ValueError, RuntimeError) as exc:
             if not self._closed.is_set():

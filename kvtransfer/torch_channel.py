@@ -41,7 +41,13 @@ def make_group(store: Any, rank: int, host: str, device: torch.device, timeout_s
         torch.cuda.set_device(device)
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, 2, nccl_opts)
+        group: Any = dist.ProcessGroupNCCL(store, rank, 2, nccl_opts)
+        # NCCL builds its communicator at the first send/recv, through the store; do it
+        # now, while the rendezvous is being served, not inside the first pull.
+        probe = torch.zeros(1, device=device)
+        (group.send([probe], 1, 0) if rank == 0 else group.recv([probe], 0, 0)).wait()
+        _sync(probe)
+        return group
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -56,11 +62,12 @@ def _sync(tensor: torch.Tensor) -> None:
 class PullChannel:
     """The puller's end. Hold ``lock`` for a whole pull."""
 
-    def __init__(self, sock: socket.socket, group: Any) -> None:
+    def __init__(self, sock: socket.socket, group: Any, store: SocketStore) -> None:
         self.lock = threading.Lock()
         self.broken = False
         self._sock = sock
         self._group = group
+        self._store: SocketStore | None = store  # the group calls back into it
 
     @classmethod
     def open(cls, host: str, port: int, device: torch.device, timeout_s: float) -> PullChannel:
@@ -70,12 +77,13 @@ class PullChannel:
             send_msg(sock, {"op": "hello", "device": device.type})
             # our end listens on the interface that reaches the holder
             my_host = sock.getsockname()[0]
-            group = make_group(SocketStore(sock), 1, my_host, device, timeout_s)
+            store = SocketStore(sock)
+            group = make_group(store, 1, my_host, device, timeout_s)
             send_msg(sock, {"op": "done"})
         except BaseException:
             sock.close()
             raise
-        return cls(sock, group)
+        return cls(sock, group, store)
 
     def request(self, transfer_id: str) -> None:
         send_msg(self._sock, {"op": "pull", "transfer_id": transfer_id})
@@ -94,6 +102,7 @@ class PullChannel:
         self.broken = True
         self._sock.close()
         self._group = None  # destroy the group here, not at interpreter exit
+        self._store = None
 
 
 Lend = Callable[[str], "torch.Tensor | None"]  # pin a hold and give its blocks, or None
@@ -107,18 +116,24 @@ def serve_channel(
     lend: Lend,
     end_loan: EndLoan,
     closed: threading.Event,
+    cuda_device: torch.device | None = None,
 ) -> None:
-    """The holder's end: rendezvous, then answer pulls until the puller hangs up."""
+    """The holder's end: rendezvous, then answer pulls until the puller hangs up.
+
+    A CUDA puller gets a NCCL rank on ``cuda_device`` (the GPU the holder's blocks live
+    on; NCCL wants a GPU per rank), else on this thread's current GPU.
+    """
     sock.settimeout(timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     hello = recv_msg(sock)
     if hello.get("device") == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = cuda_device or torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    group = _rendezvous_rank0(sock, host, device, timeout_s)
-    if group is None:
+    rendezvous = _rendezvous_rank0(sock, host, device, timeout_s)
+    if rendezvous is None:
         return
+    group, _store = rendezvous  # _store: held for as long as the group lives
     while not closed.is_set():
         sock.settimeout(None)  # an idle channel waits for the puller's next pull
         msg = recv_msg(sock)
@@ -141,7 +156,8 @@ def serve_channel(
 
 def _rendezvous_rank0(
     sock: socket.socket, host: str, device: torch.device, timeout_s: float
-) -> Any | None:
+) -> tuple[Any, DictStore] | None:
+    """The group and its store (which must outlive it), or None if the rendezvous failed."""
     store = DictStore(timeout_s)
     made: list[Any] = []
 
@@ -155,4 +171,4 @@ def _rendezvous_rank0(
     builder.start()
     finished = serve_store_ops(sock, store)
     builder.join(timeout_s)
-    return made[0] if finished and made else None
+    return (made[0], store) if finished and made else None

@@ -26,7 +26,12 @@ LAYOUT = KVLayout(
 def test_device_blocks_arrive_bit_exact(backend: str) -> None:
     if backend not in available_backends():
         pytest.skip(f"backend {backend} is not installed")
-    holder = HolderProcess(HolderSpec(backend, LAYOUT, 128, seed=5, device="cuda"))
+    holder_device = "cuda"
+    if backend == "torch":  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected")
+        if torch.cuda.device_count() < 2:
+            pytest.skip("NCCL needs a GPU per rank: the holder and the puller need 2 GPUs")
+        holder_device = "cuda:1"
+    holder = HolderProcess(HolderSpec(backend, LAYOUT, 128, seed=5, device=holder_device))
     conn = make_connector(backend, transfer_timeout_s=30.0)
     try:
         pool = torch.zeros((128, *LAYOUT.block_shape), dtype=torch.float16, device="cuda")
