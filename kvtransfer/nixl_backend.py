@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -91,6 +92,11 @@ class NixlConnector:
         self.lease_s = lease_s
         self.transfer_timeout_s = transfer_timeout_s
         self._clock = clock
+        if torch.cuda.is_available():
+            # UCX's cuda_ipc serves READs only where it sees NVLink; elsewhere (PCIe, one
+            # GPU) a VRAM pull falls back to "software emulation" over TCP: measured on one
+            # H100, 256 MiB at 0.43 GB/s that way against 432 GB/s. A user's setting wins.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = nixl_agent(self.agent_name, config)
         # Lease board: live generations, done marks, landing cells (see module doc).
