@@ -2,7 +2,8 @@
 saturation rate, then offered 2x and 3x that rate (loadgen/overload.py).
 
     python benchmarks/overload.py [--model medium|small|tiny|DIR] [--policy slo_goodput]
-        [--rates 4,8,12,16] [--duration 20] [--over-duration 30] [--rebalance]
+        [--rates auto|4,8,12,16] [--start-rate 1] [--duration 20] [--over-duration 30]
+        [--rebalance]
 
 One JSON object per line: each run's row, then a summary with each factor's goodput as
 a fraction of the peak (target: >= 0.9) and its slowest refusal (target: < 50 ms). A
@@ -11,10 +12,13 @@ run's goodput is ``window_goodput``: good requests sent in its window per second
 
 ``--model medium`` (the default) is a random 53M-parameter Llama (hidden 768, 8 layers)
 built in a temporary folder: its workers' compute, not the gateway's and the load
-generator's per-request HTTP work, sets the saturation rate (about 9 req/s on 2 cores),
-as on GPUs. ``small`` (15M, hidden 384, 6 layers) saturates near 30 req/s here, where 3x
-is ~90 req/s of HTTP from a client on the same 2 cores as the engines: that measures
-the box (3x held 0.85-0.92 of peak), not admission. ``tiny`` saturates near 40 req/s.
+generator's per-request HTTP work, sets the saturation rate (about 9 req/s on 2 AVX-512
+cores; 2-3 req/s on 2 AVX2 cores), as on GPUs. ``--rates auto`` (the default) climbs
+from ``--start-rate`` by 1.5x a run until one run is past saturation, so the sweep
+finds the knee of whatever machine it runs on. ``small`` (15M, hidden 384, 6 layers)
+saturates near 30 req/s on the AVX-512 machine, where 3x is ~90 req/s of HTTP from a
+client on the same 2 cores as the engines: that measures the box (3x held 0.85-0.92 of
+peak), not admission. ``tiny`` saturates near 40 req/s there.
 The rebalancer is off unless ``--rebalance``: this measures admission on a fixed split.
 """
 
@@ -95,7 +99,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
             base_url=url,
             workload=WORKLOAD,
             slo=SLO,
-            rates=[float(r) for r in args.rates.split(",")],
+            rates=[] if args.rates == "auto" else [float(r) for r in args.rates.split(",")],
+            start_rate=args.start_rate,
             duration_s=args.duration,
             over_duration_s=args.over_duration,
             bench=BenchConfig(url, tokenizer=tokenizer),
@@ -109,7 +114,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="medium", help="medium, small, tiny, or a local model folder")
     p.add_argument("--policy", default="slo_goodput")
-    p.add_argument("--rates", default="4,8,12,16", help="sweep, requests/s")
+    p.add_argument("--rates", default="auto", help="sweep, requests/s; auto: climb to the knee")
+    p.add_argument("--start-rate", type=float, default=1.0, help="auto: first rate, requests/s")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
     p.add_argument(
         "--over-duration",

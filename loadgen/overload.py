@@ -3,7 +3,10 @@ then offer multiples of that rate and see how much of the peak goodput it keeps.
 
     sweep    rates r_1 < r_2 < ...: goodput at each (requests/s meeting the SLO); the
              peak is the largest, and the saturation rate the lowest rate whose
-             goodput reaches 95% of it (past it, more traffic buys nothing)
+             goodput reaches 95% of it (past it, more traffic buys nothing). Given no
+             rates, the sweep climbs: from ``start_rate``, each rate ``climb`` times
+             the last, until one run is past saturation (``past_saturation``), so one
+             harness finds the knee of a server whatever its speed
     over     each factor k: the same workload at k x the saturation rate; its goodput
              as a fraction of the peak, and how fast its refusals were answered
 
@@ -24,6 +27,7 @@ the last answered at 25.8 s, so 10.9 req/s against the 14.1 it served).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,7 +39,7 @@ from loadgen.client import BenchConfig, run_bench
 from loadgen.metrics import GoodputSLO, RequestRecord
 from loadgen.scenario import WorkloadConfig
 
-__all__ = ["OverloadConfig", "run_overload", "window_goodput"]
+__all__ = ["OverloadConfig", "next_sweep_rate", "past_saturation", "run_overload", "window_goodput"]
 
 _KEYS = (
     "request_goodput",
@@ -56,12 +60,15 @@ class OverloadConfig:
     base_url: str
     workload: WorkloadConfig
     slo: GoodputSLO
-    rates: Sequence[float]  # the sweep, requests/s, ascending
+    rates: Sequence[float] = ()  # the sweep, requests/s, ascending; () climbs (below)
     factors: Sequence[float] = (2.0, 3.0)
     duration_s: float = 10.0
     settle_s: float = 3.0
     over_duration_s: float | None = None  # each factor's run (None: duration_s)
     bench: BenchConfig | None = None  # endpoint, tokenizer, ... (base_url and rate set here)
+    start_rate: float = 1.0  # the climbing sweep's first rate, requests/s
+    climb: float = 1.5  # each next rate, times the last
+    max_sweep_runs: int = 10
 
 
 def run_overload(
@@ -83,7 +90,14 @@ def run_overload(
         time.sleep(config.settle_s)
         return row
 
-    sweep = [run(rate, "sweep") for rate in config.rates]
+    if config.rates:
+        sweep = [run(rate, "sweep") for rate in config.rates]
+    else:
+        sweep = []
+        rate: float | None = config.start_rate
+        while rate is not None:
+            sweep.append(run(rate, "sweep"))
+            rate = next_sweep_rate(sweep, config.climb, config.max_sweep_runs)
     peak = max(row["window_goodput"] for row in sweep)
     saturation = min(row["rate"] for row in sweep if row["window_goodput"] >= 0.95 * peak)
     over_s = config.over_duration_s or config.duration_s
@@ -92,6 +106,25 @@ def run_overload(
         row["factor"] = k
         row["of_peak"] = row["window_goodput"] / peak if peak else 0.0
     return {"peak_goodput": peak, "saturation_rate": saturation, "sweep": sweep, "over": over}
+
+
+def past_saturation(rate: float, goodput: float, best_before: float) -> bool:
+    """A run at ``rate`` whose goodput fell short of the rate by over 10% and rose less
+    than 5% above the best goodput of the slower runs before it: more traffic no longer
+    buys goodput."""
+    return goodput < 0.9 * rate and goodput < 1.05 * best_before
+
+
+def next_sweep_rate(sweep: Sequence[dict[str, Any]], climb: float, max_runs: int) -> float | None:
+    """The climbing sweep's next rate after ``sweep`` (rows with ``rate`` and
+    ``window_goodput``), or None once its last run was past saturation or it ran
+    ``max_runs``."""
+    *before, last = sweep
+    # A first run already past saturation ends the sweep: it has no served rate.
+    best_before = max((row["window_goodput"] for row in before), default=math.inf)
+    if len(sweep) >= max_runs or past_saturation(last["rate"], last["window_goodput"], best_before):
+        return None
+    return float(last["rate"]) * climb
 
 
 def window_goodput(records: Sequence[RequestRecord], slo: GoodputSLO, window_s: float) -> float:
