@@ -10,7 +10,9 @@
                                                    their disallowed tokens set to -inf
     matcher.accept_token(t); is_terminated()       after sampling; terminated stops the request
 
-xgrammar is imported at first use, so the engine imports (and serves text) without it.
+xgrammar (about 3 s to import) is imported when a compiler is built, at engine start, not
+inside a request's compile deadline; where it is not installed the engine still imports
+and serves text, and a constrained request gets a 400 saying so.
 Compiles run on a helper thread with a deadline, so a pathological schema costs the
 engine at most ``compile_timeout_s`` and answers 400 naming the field.
 """
@@ -44,7 +46,7 @@ def tokenizer_info(
     tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]
 ) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary; ``vocab_size`` is the model's (rows of the logits)."""
-    import xgrammar as xgr  # imported at first use: the engine imports without it
+    import xgrammar as xgr  # imported by GrammarCompiler (the module imports without it)
 
     if isinstance(tokenizer, HFTokenizer):
         return xgr.TokenizerInfo.from_huggingface(
@@ -70,6 +72,12 @@ class GrammarCompiler:
         max_entries: int = _DEFAULT_CACHE_ENTRIES,
         compile_timeout_s: float = _DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
+        try:
+            import xgrammar  # noqa: F401  (here, not inside the first compile's deadline)
+
+            self._missing: str | None = None
+        except ImportError as e:
+            self._missing = str(e)
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = tuple(eos_token_ids)
@@ -96,6 +104,11 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+        if self._missing is not None:
+            raise InvalidRequestError(
+                f"structured outputs need xgrammar, which does not import here: {self._missing}",
+                structured.param,
+            )
         structured.validate()
         future = self._pool.submit(self._compile_now, structured)
         try:

@@ -193,3 +193,28 @@ def test_logit_bias_is_bounded(engine: LLMEngine, bias: tuple[tuple[int, float],
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request(EngineRequest("lb", (1, 2), SamplingParams(logit_bias=bias)))
     assert e.value.param == "logit_bias"
+
+
+_FRESH_FIRST_COMPILE = """
+import json
+from services.engine.grammar import GrammarCompiler
+from services.engine.messages import StructuredOutput
+from services.engine.tokenizer import ByteTokenizer
+
+compiler = GrammarCompiler(ByteTokenizer(), 320, [ByteTokenizer.EOS], compile_timeout_s=0.5)
+compiler.compile(StructuredOutput("json", json.dumps({"type": "object"}), param="response_format"))
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_the_first_compile_in_a_fresh_process_fits_the_deadline() -> None:
+    """xgrammar takes seconds to import: a compiler imports it when built, so a fresh
+    worker's first constrained request is not refused for its 0.5 s compile deadline."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_FIRST_COMPILE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
