@@ -1,16 +1,21 @@
 """Rebalancing live: a 1 prefill + 1 decode ``baton serve`` (Ray actors, a random
 15M-parameter Llama) offered a prefill-heavy phase (long prompts, a few output tokens),
-then a decode-heavy one (short prompts, long outputs), then prefill-heavy again, once
-with the ratio planner on (a short interval) and once with it off, in this test.
+then a decode-heavy one (short prompts, long outputs), then prefill-heavy again, with
+the ratio planner on (a short interval).
 
-With it on, workers flip both ways: a worker gains prefill work (decode -> prefill or
-mixed, mixed -> prefill) and a worker gains decode work (prefill -> decode or mixed,
-mixed -> decode); and more requests meet their SLO over the whole run than on the fixed
-split. A 2-worker cluster can only move between 1 prefill + 1 decode and 2 mixed workers
-(the planner never empties a role): measured, it pools them in the first prefill-heavy
-phase (decode -> mixed, prefill -> mixed) and the mixed pair serves every phase, 329-342
-requests good against 275-276 on the fixed split, of 360 (three runs). It runs the
-server, workload and SLO of ``benchmarks/overload.py`` (``--phases``).
+Workers flip both ways: a worker gains prefill work (decode -> prefill or mixed,
+mixed -> prefill) and a worker gains decode work (prefill -> decode or mixed, mixed ->
+decode). A 2-worker cluster can only move between 1 prefill + 1 decode and 2 mixed
+workers (the planner never empties a role): measured, it pools them in the first
+prefill-heavy phase (decode -> mixed, prefill -> mixed).
+
+Whether that serves more than the fixed split is measured, not asserted here (the
+simulator's phase shift: ``make bench-policies``; this server and SLO are
+``benchmarks/overload.py``'s). Live, on 2 AVX-512 cores the planned
+run served 329-342 of 360 good against 275-276 on the fixed split (three runs, and CI),
+but on 2 AVX2 cores, with the scenario scaled to the host (below), 82 of 132 against
+more on the fixed split (its last two phases alone: 44 and 36 of 44), so a comparison
+in CI would pass or fail with the machine it lands on.
 
 The scenario is sized for a host that prefills one prefill-heavy prompt in about
 ``REF_PREFILL_S`` (2 AVX-512 cores). On a slower host (measured first, in this process)
@@ -150,15 +155,10 @@ def run_phases(
     return {"good": good, "phases": by_phase, "flips": seen, "slowdown": scale.slowdown}
 
 
-@pytest.mark.timeout(900)  # up to 2 x 3 phases of 40 s, plus two server starts
-def test_flips_go_both_ways_and_serve_more_than_a_fixed_split(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)  # up to 3 phases of 40 s, plus the server's start
+def test_flips_go_both_ways_under_a_phase_shift(tmp_path: Path) -> None:
     bench = load_script(ROOT / "benchmarks/overload.py", "overload_bench")
     model = bench.save_small_llama(tmp_path / "small-llama")
-    scale = measure_scale(model)
-    fixed = run_phases(bench, model, tmp_path, rebalance=False, scale=scale)
-    planned = run_phases(bench, model, tmp_path, rebalance=True, scale=scale)
-
-    assert sum(fixed["flips"][-1].values()) == 0, fixed
+    planned = run_phases(bench, model, tmp_path, rebalance=True, scale=measure_scale(model))
     final = planned["flips"][-1]
     assert final["toward prefill"] >= 1 and final["toward decode"] >= 1, planned
-    assert planned["good"] > fixed["good"], (planned, fixed)
