@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 
 import jsonschema
@@ -212,9 +213,21 @@ def test_the_first_compile_in_a_fresh_process_fits_the_deadline() -> None:
     """xgrammar takes seconds to import: a compiler imports it when built, so a fresh
     worker's first constrained request is not refused for its 0.5 s compile deadline."""
     import subprocess
-    import sys
 
     done = subprocess.run(
         [sys.executable, "-c", _FRESH_FIRST_COMPILE], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
+
+
+def test_without_xgrammar_a_constraint_is_a_400_naming_its_field(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.engine.grammar import GrammarCompiler
+    from services.engine.tokenizer import ByteTokenizer
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar: ImportError
+    compiler = GrammarCompiler(ByteTokenizer(), 320, [ByteTokenizer.EOS])
+    with pytest.raises(InvalidRequestError, match="need xgrammar") as err:
+        compiler.compile(JSON)
+    assert err.value.param == "response_format"
