@@ -120,16 +120,14 @@ def measure_scale(model: Path) -> Scale:
     return Scale(max(1.0, statistics.median(took[1:]) / REF_PREFILL_S))
 
 
-def run_phases(
-    bench: ModuleType, model: Path, work: Path, rebalance: bool, scale: Scale
-) -> dict[str, Any]:
-    config = bench.serve_config("slo_goodput", rebalance, 0.0)
+def run_phases(bench: ModuleType, model: Path, work: Path, scale: Scale) -> dict[str, Any]:
+    config = bench.serve_config("slo_goodput", True, 0.0)
     slo = scale.slo(bench)
     config["router"]["default_slo"] = {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
     config["workers"] = {"mode": "disaggregated", "prefill": 1, "decode": 1}
     config["engine"]["max_model_len"] = 2048
-    config["router"]["rebalance_interval_s"] = INTERVAL_S if rebalance else 3600.0
-    path = work / f"phases-{rebalance}.yaml"
+    config["router"]["rebalance_interval_s"] = INTERVAL_S
+    path = work / "phases.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--config", str(path)]
@@ -159,6 +157,6 @@ def run_phases(
 def test_flips_go_both_ways_under_a_phase_shift(tmp_path: Path) -> None:
     bench = load_script(ROOT / "benchmarks/overload.py", "overload_bench")
     model = bench.save_small_llama(tmp_path / "small-llama")
-    planned = run_phases(bench, model, tmp_path, rebalance=True, scale=measure_scale(model))
+    planned = run_phases(bench, model, tmp_path, measure_scale(model))
     final = planned["flips"][-1]
     assert final["toward prefill"] >= 1 and final["toward decode"] >= 1, planned
