@@ -50,6 +50,8 @@ __all__ = [
 
 
 MIN_CLASS_SHARE = 0.05  # of recent requests: a class that keeps a spatial pool worker
+# A class not seen for this many of its mean gaps (1 / its share, in requests) is gone.
+GONE_AFTER_GAPS = 6.0
 _PRIOR_REQUESTS = 5.0  # what the prior class shares weigh, in requests
 
 
@@ -104,6 +106,9 @@ class LengthClassifier:
         prior = (1.0 - prior_long_share, prior_long_share)
         self._requests = [_PRIOR_REQUESTS * x for x in prior]
         self._work = [_PRIOR_REQUESTS * self._work_s(knee) * x for x in prior]
+        self._since = [0, 0]  # requests since the last of each class (the prior: just now)
+        # Each class's mean gap between requests (1 / its share) when last seen.
+        self._gap = [1.0 / max(x, 1e-9) for x in prior]
 
     def _work_s(self, num_tokens: float) -> float:
         return max(self._prefill.at(num_tokens), 1e-12)
@@ -119,6 +124,25 @@ class LengthClassifier:
         """The LONG class's share of recent requests."""
         short, long = self._requests
         return long / (short + long)
+
+    @property
+    def present_request_shares(self) -> tuple[float, float]:
+        """(SHORT, LONG) shares of recent requests, 0 for a class that is gone: one not
+        seen for ``GONE_AFTER_GAPS`` of its mean gaps (``1 / share`` requests, its share
+        when last seen). A class still coming at its share is judged so before about
+        2% of its requests at a 10% share (e^-6, with the share's noise), 5% at 5%.
+
+        The decayed share alone forgets slowly: from all of the requests to under
+        ``MIN_CLASS_SHARE`` takes 58 of the other class. After a phase of short prompts
+        the short class kept a spatial pool worker of its own, idle, through a whole
+        live phase of long ones (2 mixed workers, 53 long prompts, one worker took
+        them). Gone, it goes after 6 or 7."""
+        total = self._requests[0] + self._requests[1]
+        short, long = (
+            0.0 if since > GONE_AFTER_GAPS * gap else requests / total
+            for since, gap, requests in zip(self._since, self._gap, self._requests)
+        )
+        return short, long
 
     @property
     def threshold_tokens(self) -> float:
@@ -142,6 +166,9 @@ class LengthClassifier:
         requests[1] *= self._request_decay
         work[cls] += self._work_s(num_tokens)
         requests[cls] += 1.0
+        self._since[cls] = 0
+        self._since[1 - cls] += 1
+        self._gap[cls] = (requests[0] + requests[1]) / requests[cls]
 
 
 def queue_wait_s(
@@ -220,10 +247,10 @@ class LongPool:
         self._sized = False
         self._rank = np.zeros(0, dtype=np.int64)  # each worker's place among the hosts, or -1
 
-    def resize(self, long_share: float, long_request_share: float) -> bool:
+    def resize(self, long_share: float, request_shares: tuple[float, float]) -> bool:
         """Size it to the shares (``long_pool_size``); whether the size changed."""
         current = min(self.size, self._num_hosts) if self._sized else None
-        size = long_pool_size(long_share, long_request_share, self._num_hosts, current)
+        size = long_pool_size(long_share, request_shares, self._num_hosts, current)
         self._sized = True
         changed, self.size = size != self.size, size
         return changed
@@ -246,14 +273,25 @@ class LongPool:
 
 
 def long_pool_size(
-    long_share: float, long_request_share: float, num_hosts: int, current: int | None
+    long_share: float,
+    request_shares: tuple[float, float],
+    num_hosts: int,
+    current: int | None,
 ) -> int:
     """How many of ``num_hosts`` prefilling workers form the LONG pool: the LONG
     class's share of the work, rounded; the current size (None: none yet) stands while
     it is within 0.75 workers, or 5% of the hosts, of that, so that a share near a half
     does not move a worker back and forth, nor the noise of the share move a large
     pool at every request. A class that still brings ``MIN_CLASS_SHARE`` of the requests
-    keeps a worker of its own while there are two to share."""
+    (``request_shares``: SHORT, LONG; 0 for a class gone,
+    ``LengthClassifier.present_request_shares``) keeps a worker of its own while there
+    are two to share; a class gone has no work left (the decayed work share forgets it
+    over about 50 requests)."""
+    short_request_share, long_request_share = request_shares
+    if not short_request_share:  # the short class is gone, and its work with it
+        long_share = 1.0
+    elif not long_request_share:
+        long_share = 0.0
     target = long_share * num_hosts
     size = current
     hold = max(0.75, 0.05 * num_hosts)
@@ -261,6 +299,6 @@ def long_pool_size(
         size = min(num_hosts, math.floor(target + 0.5))
     if long_request_share >= MIN_CLASS_SHARE:
         size = max(size, min(1, num_hosts))
-    if 1.0 - long_request_share >= MIN_CLASS_SHARE and num_hosts >= 2:
+    if short_request_share >= MIN_CLASS_SHARE and num_hosts >= 2:
         size = min(size, num_hosts - 1)
     return size
