@@ -137,12 +137,12 @@ class LengthClassifier:
         the short class kept a spatial pool worker of its own, idle, through a whole
         live phase of long ones (2 mixed workers, 53 long prompts, one worker took
         them). Gone, it goes after 6 or 7."""
-        total = self._requests[0] + self._requests[1]
-        short, long = (
-            0.0 if since > GONE_AFTER_GAPS * gap else requests / total
-            for since, gap, requests in zip(self._since, self._gap, self._requests)
+        (short, long), since, gap = self._requests, self._since, self._gap
+        total = short + long
+        return (
+            0.0 if since[0] > GONE_AFTER_GAPS * gap[0] else short / total,
+            0.0 if since[1] > GONE_AFTER_GAPS * gap[1] else long / total,
         )
-        return short, long
 
     @property
     def threshold_tokens(self) -> float:
