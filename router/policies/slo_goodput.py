@@ -50,6 +50,9 @@ Batch requests are shed first: they must fit under ``batch_memory_fraction``
 of capacity (lower than interactive's ``memory_fraction``) and within
 ``batch_slo_headroom`` of each target, and they are never held.
 
+The checks that need only the worker table (colocated TPOT, the decode pick, the
+refusal) are ``router.policies.slo_checks``.
+
 Predictions include each worker's recent model error as a margin. The memory
 check first uses bounds (the peak with the candidate lies between the peak
 without it and that plus ``c_q + max r_q``) and prices exactly only workers in
@@ -69,6 +72,13 @@ from router.encode_fit import EncodeFit, price_encode, remote_for
 from router.estimator import sample_output_lengths_of_one, sorted_history
 from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
 from router.planner import RolePressure
+from router.policies.slo_checks import (
+    any_true,
+    best_prefill_s,
+    colocated_tpot_s,
+    pick_decode,
+    refusal,
+)
 from router.policy import register_policy
 from router.types import (
     SLO,
@@ -83,11 +93,6 @@ from router.types import (
 from router.worker_table import ROLE_CODES, TableSettings, WorkerTable
 
 __all__ = ["SloGoodput"]
-
-
-def _any(mask: np.ndarray) -> bool:
-    """``mask.any()`` without the Python wrapper ``ndarray.any`` goes through."""
-    return bool(np.count_nonzero(mask))
 
 
 _CANDIDATE_RING = 64  # pre-drawn candidate lengths, reused cyclically
@@ -219,25 +224,10 @@ class SloGoodput:
             tpot_target_s=slo.tpot_s or math.inf,
             encode_wait_s=encode_b * float(t.queued_tokens[encode].mean()) if encode.any() else 0.0,
             mixed_ttft_s=float(ttft_s[mixed].mean()) if mixed.any() else 0.0,
-            mixed_tpot_s=float(self._colocated_tpot_s(t, n)[mixed].mean()) if mixed.any() else 0.0,
+            mixed_tpot_s=float(colocated_tpot_s(t, n, self._mean_output_len)[mixed].mean())
+            if mixed.any()
+            else 0.0,
         )
-
-    def _colocated_tpot_s(self, t: WorkerTable, n: float | np.ndarray) -> np.ndarray:
-        """Each worker's mean step with an ``n``-token prompt prefilled there (colocated).
-
-        TPOT is a request's mean step time: each chunk stalls one step of every running
-        sequence by its excess over a plain step, once, and that stall is spread over
-        the sequence's output tokens. So the stalls of what is queued there and of this
-        prompt count spread over the mean output length. (Judged per step, as if TPOT
-        bounded each gap, a busy mixed worker took no prompt at all: on the memory-bound
-        workload, whose outputs of thousands of tokens each absorb a stall, every
-        colocated request was held and refused.)"""
-        if not _any(t.chunk_tokens):
-            return t.step_base_s  # no worker prefills in chunks: no stall (+ 0.0 exactly)
-        queued = t.queued_tokens + n
-        chunks = np.ceil(queued / np.maximum(t.chunk_tokens, 1.0))
-        stall_s = chunks * t.chunk_fixed_s + t.chunk_s_per_token * queued
-        return t.step_base_s + stall_s / self._mean_output_len
 
     @property
     def length_threshold(self) -> float:
@@ -284,7 +274,7 @@ class SloGoodput:
             ttft_local = ttft_local + encode_s
 
         # Decode-side checks shared by both kinds of plan: TPOT with the request added,
-        # memory bounds of the past-future peak (see ``_pick``).
+        # memory bounds of the past-future peak (see ``pick_decode``).
         held_q = float(profile.num_prompt_tokens + profile.num_image_tokens)
         # A handful of draws: Python floats (the same values) cost less than numpy calls.
         max_tokens = profile.max_tokens
@@ -314,17 +304,17 @@ class SloGoodput:
             # (with every link past it, the least loaded one).
             link_s = t.inbound_tokens * t.transfer_s_per_token
             short_link = ok & (link_s <= tpot_limit_s)
-            if _any(short_link):
+            if any_true(short_link):
                 ok = short_link
-            elif _any(ok):
+            elif any_true(ok):
                 ok = ok & (link_s <= link_s[ok].min())
-            d = self._pick(ok, sure, -t.fullness, held_q, r_q, limit)
+            d = pick_decode(t, ok, sure, -t.fullness, held_q, r_q, limit, self.max_exact_checks)
             if d >= 0:
                 best = (float(ttft_pair[d]), self._make_plan(p, d, n, ttft_pair[d], tpot_pred[d]))
 
         # Colocated: the same checks without a transfer, priced with the decodes it stalls:
         # the mean step of the running sequences with this prompt's chunks among them.
-        coloc_tpot_s = self._colocated_tpot_s(t, n) + t.step_per_token_s * held_q
+        coloc_tpot_s = colocated_tpot_s(t, n, self._mean_output_len) + t.step_per_token_s * held_q
         ok = (
             coloc_ok
             & decodable
@@ -332,18 +322,26 @@ class SloGoodput:
             & (coloc_tpot_s <= tpot_limit_s)
             & self._may_colocate(t, is_long)
         )
-        if _any(ok):
+        if any_true(ok):
             cost = ttft_local + t.stall_per_prefill_s * prefill_s
-            c = self._pick(ok, sure, -cost, held_q, r_q, limit)
+            c = pick_decode(t, ok, sure, -cost, held_q, r_q, limit, self.max_exact_checks)
             if c >= 0 and (best is None or cost[c] < best[0]):
                 best = (float(cost[c]), self._make_plan(c, None, n, ttft_local[c], coloc_tpot_s[c]))
 
         if best is None:
             feasible_decode = decodable & (decode_ok | coloc_ok)
             target_s = ttft_s * headroom if ttft_s is not None else math.inf
-            hopeless = self._best_prefill(t, prefill_s + own_encode_s) > target_s
-            return self._refuse(
-                t, ttft_local, feasible_decode, budget_s, elapsed_s, batch, hopeless
+            hopeless = best_prefill_s(t, prefill_s + own_encode_s, self.colocate_roles) > target_s
+            return refusal(
+                t,
+                ttft_local,
+                feasible_decode,
+                budget_s,
+                colocate_roles=self.colocate_roles,
+                hold=not batch and elapsed_s < self.max_hold_s,
+                hold_retry_s=self.hold_retry_s,
+                min_retry_after_s=self.min_retry_after_s,
+                hopeless=hopeless,
             )
         plan = best[1]
         if not encode_parts or not remote_for(t, plan.prefill_worker, remote):
@@ -356,13 +354,13 @@ class SloGoodput:
         if not self._spatial:
             return t.prefill_penalty
         pool = np.where(t.in_long_pool == is_long, t.prefill_penalty, np.inf)
-        return pool if _any(np.isfinite(pool)) else t.prefill_penalty
+        return pool if any_true(np.isfinite(pool)) else t.prefill_penalty
 
     def _may_colocate(self, t: WorkerTable, is_long: np.ndarray | bool) -> np.ndarray | bool:
         """Spatial split with a long pool: a long prompt prefills only there (on a
         mixed worker of the pool, colocated), never on another colocated host, where it
         would hold up that host's short prefills; a short one stays out of the pool."""
-        if not self._spatial or not _any(t.in_long_pool):
+        if not self._spatial or not any_true(t.in_long_pool):
             return True
         match is_long:
             case np.ndarray():
@@ -414,36 +412,6 @@ class SloGoodput:
         history = self._table.running_sets.history_floats()
         return sample_output_lengths_of_one(history, 0.0, history[-1] + 1.0, u)
 
-    def _pick(
-        self,
-        ok: np.ndarray,
-        sure: np.ndarray,
-        preference: np.ndarray,
-        held_q: float,
-        r_q: list[float],
-        limit: np.ndarray,
-    ) -> int:
-        """The most preferred ``ok`` worker whose peak with the candidate fits, or -1.
-
-        ``sure`` workers fit by the upper bound (peak + c_q + max r_q); the others
-        among ``ok`` already passed the lower bound and are priced exactly, most
-        preferred first, only where they beat the best sure one."""
-        best, best_pref = -1, -np.inf
-        fits = ok & sure
-        if _any(fits):
-            best = int(np.where(fits, preference, -np.inf).argmax())
-            best_pref = float(preference[best])
-        better = (ok & (preference > best_pref)).nonzero()[0]
-        if better.size:
-            r_q_array = np.array(r_q)
-            better = better[~sure[better]]
-            order = better[(-preference[better]).argsort(kind="stable")]
-            for i in order[: self.max_exact_checks]:
-                table = self._table.tables[i]
-                if table is not None and table.peak_with(held_q, r_q_array) < limit[i]:
-                    return int(i)
-        return best
-
     def _make_plan(
         self, p: int, d: int | None, n: np.ndarray | float, ttft_s: float, tpot_s: float
     ) -> Plan:
@@ -457,36 +425,3 @@ class SloGoodput:
             predicted_ttft_s=float(ttft_s),
             predicted_tpot_s=float(tpot_s),
         )
-
-    def _best_prefill(self, t: WorkerTable, ttft_s: np.ndarray | float) -> float:
-        """The least of ``ttft_s`` over the workers that can prefill."""
-        prefill_capable = t.in_roles((Role.PREFILL, *self.colocate_roles))
-        return float(np.min(np.where(prefill_capable, ttft_s, np.inf)))
-
-    def _refuse(
-        self,
-        t: WorkerTable,
-        ttft_local: np.ndarray,
-        decodable: np.ndarray,
-        budget_s: float,
-        elapsed_s: float,
-        batch: bool,
-        hopeless: bool,
-    ) -> Reject:
-        """``hopeless``: even an idle worker's prefill misses the TTFT target."""
-        prefill_capable = t.in_roles((Role.PREFILL, *self.colocate_roles))
-        if not prefill_capable.any() or not t.in_roles((Role.DECODE, *self.colocate_roles)).any():
-            return Reject("no live worker", retry_after_s=self.min_retry_after_s)
-        best_ttft_s = self._best_prefill(t, ttft_local)
-        if best_ttft_s > budget_s:
-            reason = "ttft target unreachable"
-        elif not decodable.any():
-            reason = "no decode capacity within memory and tpot"
-        else:
-            reason = "no pair meets both targets"
-        reachable = best_ttft_s <= budget_s
-        if reachable and not batch and elapsed_s < self.max_hold_s:
-            return Reject(reason, retry_after_s=self.hold_retry_s, hold=True)
-        best_wait_s = float(np.min(np.where(prefill_capable, t.wait_short_s, np.inf)))
-        retry_after_s = max(self.min_retry_after_s, best_wait_s)
-        return Reject(reason, retry_after_s=retry_after_s, retryable=not hopeless)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from router.policies import SloGoodput
+from router.policies.slo_checks import colocated_tpot_s
 from router.types import ClusterView, LengthClass, RequestProfile, Role, RunningRequest, WorkerView
 from router.worker_table import WorkerTable
 
@@ -80,5 +81,5 @@ def test_shortcuts_equal_the_replaced_computations(seed: int) -> None:
             else:
                 assert n == least == prompt
             mean = policy._mean_output_len
-            got = policy._colocated_tpot_s(t, n)
+            got = colocated_tpot_s(t, n, mean)
             assert np.array_equal(got, _reference_colocated_tpot_s(t, n, mean))
