@@ -129,14 +129,16 @@ class LengthClassifier:
     def present_request_shares(self) -> tuple[float, float]:
         """(SHORT, LONG) shares of recent requests, 0 for a class that is gone: one not
         seen for ``GONE_AFTER_GAPS`` of its mean gaps (``1 / share`` requests, its share
-        when last seen). A class still coming at its share is judged so before about
-        2% of its requests at a 10% share (e^-6, with the share's noise), 5% at 5%.
+        when last seen). A class still coming at its share is judged gone before
+        about 2% of its requests at a 10% share (e^-6, with the share's noise), 5% at
+        5%; ``router.Router`` observes a request before it places it, so that request
+        finds its class present again.
 
         The decayed share alone forgets slowly: from all of the requests to under
         ``MIN_CLASS_SHARE`` takes 58 of the other class. After a phase of short prompts
         the short class kept a spatial pool worker of its own, idle, through a whole
         live phase of long ones (2 mixed workers, 53 long prompts, one worker took
-        them). Gone, it goes after 6 or 7."""
+        them). A class that stops is gone after 6 or 7 requests of the other."""
         (short, long), since, gap = self._requests, self._since, self._gap
         total = short + long
         return (
