@@ -1,4 +1,5 @@
-"""Requests held for capacity wait in one line, and only its head re-plans.
+"""Requests held for capacity wait in a line (one per length class, placement.py), and
+only its head re-plans.
 
 The router holds a request (``Hold``) when its TTFT is still reachable but no worker
 pair has room now. Held requests used to re-plan each on its own every poll: a held

@@ -2,9 +2,9 @@
 
 place     one router decision (``Router.place``); a plan whose worker has left
           meanwhile counts as a hold
-hold      a held request waits in the hold line (hold_line.py) until it is placed,
-          refused, or out of ``max_hold_s`` or its TTFT budget; a re-placed one
-          (its stream has started) skips the line and waits up to
+hold      a held request waits in its length class's hold line (hold_line.py)
+          until it is placed, refused, or out of ``max_hold_s`` or its TTFT budget;
+          a re-placed one (its stream has started) skips the line and waits up to
           ``replace_hold_s`` for room, never refused for its age
 refuse    a ``Reject``, or a hold that ran out, is an ``Overloaded`` (429 with
           ``Retry-After``) counted in ``baton_router_rejections_total``
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.front_door import Hold, Router
-from router.types import Plan, Reject, RequestProfile
+from router.length import effective_prefill_tokens
+from router.types import LengthClass, Plan, Reject, RequestProfile
 from services.gateway.errors import Overloaded
 from services.gateway.hold_line import HoldLine
 from services.metrics import BatonMetrics
@@ -48,7 +49,12 @@ class Placer:
         self._clients = clients
         self._metrics = metrics
         self._settings = settings
-        self.line = HoldLine()
+        # One line per length class: a short request waits only behind held short ones.
+        # Held long prompts wait for room that a short one does not take (the spatial
+        # split's other pool, or the temporal split's short-first queue); in one line,
+        # live on 2 slow cores, long prompts held for a one-worker long pool made every
+        # short request behind them "too many requests held ahead" (429).
+        self.lines = {length_class: HoldLine() for length_class in LengthClass}
 
     async def place(self, profile: RequestProfile, *, replaced: bool = False) -> Plan:
         """A plan for ``profile``. A held request waits in the hold line (hold_line.py)
@@ -58,7 +64,7 @@ class Placer:
         if replaced:
             return await self._place_replaced(profile)
         deadline_s = time.monotonic() + self._settings.max_hold_s
-        line = self.line
+        line = self.line_of(profile)
         rid = profile.request_id
         if len(line):
             self._refuse_behind(line, profile)  # raises when the line is too slow for it
@@ -93,6 +99,11 @@ class Placer:
             if time.monotonic() >= deadline_s:
                 raise self._refusal(profile, decision)
             await asyncio.sleep(self._settings.hold_poll_s)
+
+    def line_of(self, profile: RequestProfile) -> HoldLine:
+        """The hold line of the request's length class, by the router's θ."""
+        tokens = effective_prefill_tokens(profile)
+        return self.lines[self._router.classifier.classify(tokens)]
 
     def _try_place(self, profile: RequestProfile, *, replaced: bool) -> Plan | Hold | Reject:
         """One router decision; a plan whose worker left meanwhile counts as a hold."""

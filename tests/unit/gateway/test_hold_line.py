@@ -1,5 +1,6 @@
 """The hold line: held requests wait in arrival order and only the head asks the router
-again; a request the line cannot serve in time is refused at once."""
+again; a request the line cannot serve in time is refused at once; each length class
+has its own line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from router.front_door import Router, RouterSettings
-from router.types import ClusterView, Plan, Reject, RequestProfile, Role
+from router.types import ClusterView, LengthClass, Plan, Reject, RequestProfile, Role
 from services.backends.fake import FakeTokenizer
 from services.engine.messages import FinishReason, SamplingParams
 from services.gateway.errors import Overloaded
@@ -40,9 +41,27 @@ class FakeGate:
         return Plan(prefill_worker="w", decode_worker=None)
 
 
-def gated_executor(max_hold_s: float = 30.0) -> tuple[PlanExecutor, FakeGate, ScriptedWorker]:
-    gate = FakeGate()
-    router = Router(RouterSettings(policy="round_robin", max_hold_s=max_hold_s), policy=gate)
+LONG = 100  # prompt tokens: θ of the router ``gated_executor`` builds
+
+
+@dataclass
+class LongGate(FakeGate):
+    """Holds long prompts until ``open``; short ones run on ``w`` at once."""
+
+    def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan | Reject:
+        if profile.num_prompt_tokens < LONG:
+            return Plan(prefill_worker="w", decode_worker=None)
+        return super().plan(profile, view, now_s)
+
+
+def gated_executor(
+    max_hold_s: float = 30.0, gate: FakeGate | None = None
+) -> tuple[PlanExecutor, FakeGate, ScriptedWorker]:
+    gate = gate or FakeGate()
+    settings = RouterSettings(
+        policy="round_robin", max_hold_s=max_hold_s, length_threshold_tokens=LONG
+    )
+    router = Router(settings, policy=gate)
     router.update(snapshot("w", Role.MIXED))
     worker = ScriptedWorker("w", lambda job: [delta(65, FinishReason.LENGTH)])
     config = ExecutorConfig("local", HoldSettings(max_hold_s=max_hold_s, hold_poll_s=POLL_S))
@@ -53,9 +72,10 @@ def gated_executor(max_hold_s: float = 30.0) -> tuple[PlanExecutor, FakeGate, Sc
     return executor, gate, worker
 
 
-async def run_one(executor: PlanExecutor, request_id: str) -> list[str]:
+async def run_one(executor: PlanExecutor, request_id: str, num_tokens: int = 2) -> list[str]:
     sampling = SamplingParams(max_tokens=1, temperature=0.0)
-    return [d.text async for d in executor.run(request_id, (65, 66), sampling, time.monotonic())]
+    prompt = (65,) * num_tokens
+    return [d.text async for d in executor.run(request_id, prompt, sampling, time.monotonic())]
 
 
 async def test_only_the_head_of_the_line_asks_the_router_and_arrival_order_is_kept() -> None:
@@ -90,7 +110,7 @@ async def test_a_request_is_refused_at_once_when_the_line_cannot_serve_it_in_tim
     executor, gate, _ = gated_executor(max_hold_s=1.0)
     first = asyncio.create_task(run_one(executor, "first"))
     await asyncio.sleep(0.05)
-    line = executor._placer.line
+    line = executor._placer.lines[LengthClass.SHORT]
     line._departures.extend([time.monotonic()] * 2)  # 1 per s lately
     for rid in ("x", "y"):  # two more already waiting: ~3 s ahead of a newcomer
         line.join(rid, time.monotonic())
@@ -113,3 +133,16 @@ async def test_a_waiter_whose_time_runs_out_leaves_without_waking_the_others() -
     line.leave("head", 0.0)
     assert await line.wait_turn("second", 0.0)
     assert len(line) == 1
+
+
+async def test_a_short_request_does_not_wait_behind_held_long_ones() -> None:
+    """Long prompts held for their room (a one-worker long pool, say) hold up no short
+    request: in one line it waited behind them, or was refused at once as "too many
+    requests held ahead" when the line drained slowly."""
+    executor, gate, _ = gated_executor(max_hold_s=2.0, gate=LongGate())
+    longs = [asyncio.create_task(run_one(executor, f"long{i}", LONG)) for i in range(3)]
+    await asyncio.sleep(0.05)
+    assert await asyncio.wait_for(run_one(executor, "short"), 0.5) == ["A"]
+    assert not any(task.done() for task in longs)  # still held
+    gate.open = True
+    assert await asyncio.gather(*longs) == [["A"]] * 3
