@@ -159,7 +159,7 @@ def test_batched_prefill_pays_the_fixed_overhead_once_per_step() -> None:
     assert chunked == pytest.approx(4 * q.a + q.b * 2000 + q.c * 2000**2 / 2)
 
 
-def test_a_class_not_seen_for_six_of_its_gaps_is_gone() -> None:
+def test_a_class_not_seen_for_ten_of_its_gaps_is_gone() -> None:
     cls = LengthClassifier(FLAT_THEN_LINEAR, threshold_tokens=200)
     for _ in range(100):
         cls.observe(100)
@@ -168,7 +168,7 @@ def test_a_class_not_seen_for_six_of_its_gaps_is_gone() -> None:
     while cls.present_request_shares[0] > 0.0:  # long prompts only from here
         cls.observe(1800)
         longs += 1
-    assert longs <= 7 and cls.long_request_share < 0.5  # its decayed share is still large
+    assert longs <= 11 and cls.long_request_share < 0.7  # its decayed share is still large
     # Gone, it keeps no worker and has no work: the pool takes every host at once.
     assert long_pool_size(cls.long_share, cls.present_request_shares, 2, current=1) == 2
     cls.observe(100)  # short prompts again: present, with the share they had
@@ -177,15 +177,17 @@ def test_a_class_not_seen_for_six_of_its_gaps_is_gone() -> None:
 
 
 def test_a_class_still_coming_is_seldom_judged_gone() -> None:
-    """A steady 10% long class: its request arrives after six of its mean gaps (about
-    e^-6 of the time, more for the noise of the share it is judged by)."""
+    """A steady 5% long class: its request arrives after ten of its mean gaps about
+    e^-10 of the time, more for the noise of the share it is judged by (measured: 0.9%;
+    at 6 gaps, 5%, and a 45%/55% mix saw a class judged gone in a quarter of 600-request
+    runs, enough to break the spatial split live)."""
     cls = LengthClassifier(FLAT_THEN_LINEAR, threshold_tokens=200)
     rng = random.Random(0)
     arrivals = arrived_gone = 0
     for _ in range(20000):
-        long = rng.random() < 0.1
+        long = rng.random() < 0.05
         if long:
             arrivals += 1
             arrived_gone += cls.present_request_shares[1] == 0.0
         cls.observe(1800 if long else 100)
-    assert 0 < arrived_gone / arrivals < 0.05
+    assert 0 < arrived_gone / arrivals < 0.02

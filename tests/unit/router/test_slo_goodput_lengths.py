@@ -90,7 +90,7 @@ def test_long_prompts_after_a_phase_of_short_ones_take_every_worker_within_a_few
     )
     for _ in range(60):
         assert plan_of(pol.plan(request(50), v, 0.0)).prefill_worker == "m0"
-    hosts = [plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker for _ in range(12)]
+    hosts = [plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker for _ in range(16)]
     # The first goes to the idle worker (no long prompt came for a while: the class was
     # gone too), the next few to the pool, then, the short class gone, to either.
     assert hosts[1] == "m1" and hosts[-4:] == ["m0"] * 4, hosts
