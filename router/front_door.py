@@ -11,16 +11,17 @@ It owns everything around ``policy.plan`` that used to exist once per caller:
   ``release(id, worker)``, ends what was queued there; what runs there stays until the
   worker's next report) or the request ends (``release(id)``);
 * the **one length classifier**: queued prompts are classified by its θ, and θ is
-  observed once per request (the first ``place`` of a request id), not once per
-  re-plan of a held request;
+  observed once per request (at ``arrive``, or the first ``place`` of a request id),
+  not once per re-plan of a held request;
 * **hold or reject**: a policy's ``Reject(hold=True)`` comes back as ``Hold``;
 * the **links**: ``observe_transfer`` fits each worker's KV link (``router.links``);
 * the **ratio planner's inputs**: ``pressure()`` (the policy's role pressure at the
   mean prompt length of the requests placed, each counted once).
 
-Call order, per request: ``place`` (again after each ``Hold``) -> ``release(id,
-worker)`` at each worker's first event for it -> ``release(id)`` when it ends however it
-ends; ``observe_transfer`` and ``observe_outcome`` as they happen.
+Call order, per request: ``arrive`` (optional: ``place`` does it) -> ``place`` (again
+after each ``Hold``) -> ``release(id, worker)`` at each worker's first event for it ->
+``release(id)`` when it ends however it ends; ``observe_transfer`` and
+``observe_outcome`` as they happen.
 
 Pure like the rest of ``router``: no Ray, HTTP, torch or clock reads; ``now_s`` is
 passed in. A worker report is anything shaped like ``services.workers.messages.
@@ -198,6 +199,18 @@ class Router:
         view = self._view = ClusterView(tuple(slots), self._output_tuple)
         return view
 
+    def arrive(self, profile: RequestProfile) -> None:
+        """A request reached the front door: θ, the length classes' shares and the mean
+        prompt length see it now, once (``place`` does this for a request it has not
+        seen). A gateway that makes a request wait behind held ones of its class, or
+        refuses it there, before any ``place``, calls this first: unobserved, the
+        arrivals of a class held for a busy pool looked like a class that stopped
+        coming, and a class judged gone gives up its spatial pool, so its held prompts
+        went to the other class's workers (live, 2 prefill + 2 decode)."""
+        if profile.request_id not in self._observed:
+            self._observed.add(profile.request_id)
+            self._observe_request(profile, self.view())
+
     def place(
         self, profile: RequestProfile, now_s: float, *, replaced: bool = False
     ) -> Plan | Hold | Reject:
@@ -208,9 +221,8 @@ class Router:
         view = self.view()
         if replaced:
             profile = dataclasses.replace(profile, arrival_s=now_s)
-        elif profile.request_id not in self._observed:
-            self._observed.add(profile.request_id)
-            self._observe_request(profile, view)
+        else:
+            self.arrive(profile)
         decision = self.policy.plan(profile, view, now_s)
         if isinstance(decision, Reject):
             if decision.hold:

@@ -64,6 +64,9 @@ class Placer:
         if replaced:
             return await self._place_replaced(profile)
         deadline_s = time.monotonic() + self._settings.max_hold_s
+        # Seen by the router whether it is placed now, waits behind others or is
+        # refused behind them: the length classes' shares count every arrival.
+        self._router.arrive(profile)
         line = self.line_of(profile)
         rid = profile.request_id
         if len(line):

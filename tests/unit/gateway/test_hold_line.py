@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from router.front_door import Router, RouterSettings
+from router.length import LengthClassifier
 from router.types import ClusterView, LengthClass, Plan, Reject, RequestProfile, Role
 from services.backends.fake import FakeTokenizer
 from services.engine.messages import FinishReason, SamplingParams
@@ -146,3 +147,28 @@ async def test_a_short_request_does_not_wait_behind_held_long_ones() -> None:
     assert not any(task.done() for task in longs)  # still held
     gate.open = True
     assert await asyncio.gather(*longs) == [["A"]] * 3
+
+
+async def test_every_arrival_reaches_the_length_classes_once_even_behind_held_ones() -> None:
+    """Requests that wait behind a held one of their class never reach ``place`` until
+    their turn. Unobserved, a class held for its busy pool looked to the router like a
+    class that stopped coming, which gives up its spatial pool worker: live, its held
+    prompts then went to the other class's worker. Each arrival counts once, however
+    often the head of its line asks again."""
+    executor, gate, _ = gated_executor(max_hold_s=2.0, gate=LongGate())
+    router = executor._router
+    longs = []
+    for i in range(6):  # the first is held; the others wait behind it
+        longs.append(asyncio.create_task(run_one(executor, f"long{i}", LONG)))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.05)  # the head asks again every poll
+    for i in range(12):
+        assert await run_one(executor, f"short{i}") == ["A"]
+    assert len(executor._placer.lines[LengthClass.LONG]) == 6  # all still held
+
+    seen = LengthClassifier(router.settings.profile.prefill, LONG)
+    for num_tokens in [LONG] * 6 + [2] * 12:  # in arrival order, each once
+        seen.observe(num_tokens)
+    assert router.classifier.long_request_share == seen.long_request_share
+    gate.open = True
+    assert await asyncio.gather(*longs) == [["A"]] * 6
