@@ -146,9 +146,9 @@ class WorkerTable:
         self.long_pool.order(workers)
         self._split_hosts()
 
-    def size_long_pool(self, long_share: float, long_request_share: float) -> None:
+    def size_long_pool(self, long_share: float, request_shares: tuple[float, float]) -> None:
         """Spatial split: the LONG pool sized to the LONG class's share of the work."""
-        if self.long_pool.resize(long_share, long_request_share):
+        if self.long_pool.resize(long_share, request_shares):
             self._split_hosts()
 
     def _split_hosts(self) -> None:

@@ -201,7 +201,7 @@ class SloGoodput:
         self._table.sync(view)
         if self._spatial:
             c = self._classifier
-            self._table.size_long_pool(c.long_share, c.long_request_share)
+            self._table.size_long_pool(c.long_share, c.present_request_shares)
 
     def pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
         """Each role's load against its target, averaged over its usable workers, for

@@ -170,5 +170,7 @@ async def test_every_arrival_reaches_the_length_classes_once_even_behind_held_on
     for num_tokens in [LONG] * 6 + [2] * 12:  # in arrival order, each once
         seen.observe(num_tokens)
     assert router.classifier.long_request_share == seen.long_request_share
+    assert router.classifier.present_request_shares == seen.present_request_shares
+    assert router.classifier.present_request_shares[1] > 0  # the long class is here
     gate.open = True
     assert await asyncio.gather(*longs) == [["A"]] * 6

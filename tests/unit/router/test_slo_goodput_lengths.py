@@ -75,3 +75,22 @@ def test_spatial_split_never_colocates_a_long_prompt_beside_short_ones() -> None
     long = plan_of(spatial.plan(request(2000), v, 0.0))
     assert (long.prefill_worker, long.decode_worker) == ("p1", "d")
     assert plan_of(spatial.plan(request(50), v, 0.0)).prefill_worker in {"p0", "d"}
+
+
+def test_long_prompts_after_a_phase_of_short_ones_take_every_worker_within_a_few() -> None:
+    """Two mixed workers (a 2-worker cluster the planner pooled) after a phase of short
+    prompts only: a long prompt goes to the idle one within a few long requests, the
+    short class being gone. With the decayed request share alone the short class kept
+    that worker, idle, for 58 requests: a whole live phase of long prompts queued on
+    the other one."""
+    pol = policy(length_split="spatial", length_threshold_tokens=256, colocate_roles=(Role.MIXED,))
+    v = view(
+        worker("m0", Role.MIXED),  # the short host while both classes come
+        worker("m1", Role.MIXED, long_tokens=3000, long_requests=1),  # the long pool
+    )
+    for _ in range(60):
+        assert plan_of(pol.plan(request(50), v, 0.0)).prefill_worker == "m0"
+    hosts = [plan_of(pol.plan(request(2000), v, 0.0)).prefill_worker for _ in range(16)]
+    # The first goes to the idle worker (no long prompt came for a while: the class was
+    # gone too), the next few to the pool, then, the short class gone, to either.
+    assert hosts[1] == "m1" and hosts[-4:] == ["m0"] * 4, hosts
