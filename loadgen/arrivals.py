@@ -62,20 +62,39 @@ def parse_sweep(text: str) -> list[str]:
 
 
 def arrival_times(
-    rate: RateSpec, num_requests: int, burstiness: float, rng: np.random.Generator
+    rate: RateSpec,
+    num_requests: int,
+    burstiness: float,
+    rng: np.random.Generator,
+    span_s: float | None = None,
 ) -> np.ndarray:
-    """Arrival offsets in seconds for ``num_requests`` requests, starting at 0."""
+    """Arrival offsets in seconds for ``num_requests`` requests, starting at 0.
+
+    ``span_s``: the requests fill exactly that many seconds (a run of a set duration):
+    the gaps, with one more after the last request, are scaled to add up to it. For
+    Poisson arrivals that is the process conditioned on its count: the arrivals are
+    sorted uniform points of the span, bursts and lulls as before, but no run ends
+    early or spills past its span by chance (20 requests at 1 req/s drawn one by one
+    spanned anywhere from about 12 to 29 s)."""
     if burstiness <= 0:
         raise WorkloadError(f"burstiness must be > 0, got {burstiness}")
     if num_requests <= 0:
         return np.zeros(0)
     if math.isinf(rate.start_rps):
         return np.zeros(num_requests)
+    n = num_requests if span_s is None else num_requests + 1
     if rate.end_rps is None:
-        rates = np.full(num_requests, rate.start_rps)
+        rates = np.full(n, rate.start_rps)
     else:
-        rates = np.linspace(rate.start_rps, rate.end_rps, num_requests)
+        rates = np.linspace(rate.start_rps, rate.end_rps, n)
     # Gamma(shape=k, scale=1/(k*rate)) has mean 1/rate for any k.
     gaps = rng.gamma(burstiness, 1.0 / (burstiness * rates))
     gaps[0] = 0.0
-    return np.cumsum(gaps)
+    times = np.cumsum(gaps)
+    if span_s is None:
+        return times
+    if span_s <= 0:
+        raise WorkloadError(f"span must be > 0 s, got {span_s}")
+    # The first request comes at 0 and the extra gap closes the span: the last time
+    # (where the next request would come) is the span's end.
+    return times[:num_requests] * (span_s / times[-1])

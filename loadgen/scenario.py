@@ -28,7 +28,9 @@ class WorkloadConfig:
     input_len: str = "256"
     output_len: str = "128"
     num_requests: int = 200
-    duration_s: float | None = None  # with a rate: as many requests as fit in this time
+    # With a rate: as many requests as fit in this time, spread over exactly this time
+    # (synthetic workloads; ``arrival_times``' span).
+    duration_s: float | None = None
     workload_file: Path | None = None
     turns: int = 1
     think_time_s: float = 1.0
@@ -72,7 +74,7 @@ def _single_turn(
 ) -> list[RequestSpec]:
     inputs = parse_length(cfg.input_len).sample(rng, num)
     outputs = parse_length(cfg.output_len).sample(rng, num)
-    times = arrival_times(rate, num, cfg.burstiness, rng) if rate else np.zeros(num)
+    times = arrival_times(rate, num, cfg.burstiness, rng, cfg.duration_s) if rate else np.zeros(num)
     sides = _image_sides(cfg, num, rng)
     return [
         RequestSpec(
@@ -115,7 +117,9 @@ def _conversations(
     new_inputs = parse_length(cfg.input_len).sample(rng, num_sessions * cfg.turns)
     outputs = parse_length(cfg.output_len).sample(rng, num_sessions * cfg.turns)
     starts = (
-        arrival_times(rate, num_sessions, cfg.burstiness, rng) if rate else np.zeros(num_sessions)
+        arrival_times(rate, num_sessions, cfg.burstiness, rng, cfg.duration_s)
+        if rate
+        else np.zeros(num_sessions)
     )
     out: list[RequestSpec] = []
     for s in range(num_sessions):

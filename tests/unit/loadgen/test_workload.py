@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,33 @@ def test_gamma_arrivals_mean_rate_and_burstiness() -> None:
     # Coefficient of variation of gamma(k) gaps is 1/sqrt(k).
     assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
     assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.08)
+
+
+def test_a_run_of_set_duration_fills_its_span_with_poisson_arrivals() -> None:
+    """With ``duration_s`` the requests that fit are spread over exactly that time: drawn
+    one gap after another, 20 requests at 1 req/s (seed 1) spanned 29 s of a 20 s run,
+    and a goodput counted over the run's 20 s saw 11 of them."""
+    cfg = WorkloadConfig(input_len="8", output_len="8", duration_s=20.0, seed=1)
+    spans = []
+    for seed in range(200):
+        times = np.array(
+            [r.arrival_s for r in build_requests(replace(cfg, seed=seed), RateSpec(1.0))]
+        )
+        assert len(times) == 20 and times[0] == 0.0 and (np.diff(times) >= 0).all()
+        assert times[-1] < 20.0  # none spills past the run
+        spans.append(times[1:])
+    # Conditioned on its count, a Poisson process's arrivals are uniform over the span.
+    points = np.concatenate(spans) / 20.0
+    assert points.mean() == pytest.approx(0.5, abs=0.02)
+    assert np.histogram(points, bins=4, range=(0, 1))[0] / len(points) == pytest.approx(
+        [0.25] * 4, abs=0.03
+    )
+    # Bursts stay bursts: the gaps' spread is a gamma's, not a clock's.
+    gaps = np.diff(arrival_times(RateSpec(10.0), 5000, 0.25, np.random.default_rng(0), 500.0))
+    assert gaps.mean() == pytest.approx(0.1, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(2.0, rel=0.1)
+    with pytest.raises(WorkloadError):
+        arrival_times(RateSpec(1.0), 5, 1.0, np.random.default_rng(0), 0.0)
 
 
 def test_ramp_speeds_up() -> None:
