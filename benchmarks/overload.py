@@ -3,7 +3,7 @@ saturation rate, then offered 2x and 3x that rate (loadgen/overload.py).
 
     python benchmarks/overload.py [--model medium|small|tiny|DIR] [--policy slo_goodput]
         [--rates auto|4,8,12,16] [--start-rate 1] [--duration 20] [--over-duration 30]
-        [--rebalance]
+        [--warm-up-rate 1] [--warm-up-s 10] [--rebalance]
 
 One JSON object per line: each run's row, then a summary with each factor's goodput as
 a fraction of the peak (target: >= 0.9) and its slowest refusal (target: < 50 ms). A
@@ -101,6 +101,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
             slo=SLO,
             rates=[] if args.rates == "auto" else [float(r) for r in args.rates.split(",")],
             start_rate=args.start_rate,
+            warm_up_rate=args.warm_up_rate,
+            warm_up_s=args.warm_up_s,
             duration_s=args.duration,
             over_duration_s=args.over_duration,
             bench=BenchConfig(url, tokenizer=tokenizer),
@@ -122,6 +124,13 @@ def main() -> None:
         type=float,
         help="seconds of arrivals per overloaded run (default: --duration)",
     )
+    p.add_argument(
+        "--warm-up-rate",
+        type=float,
+        default=1.0,
+        help="requests/s of an uncounted first run (0: none)",
+    )
+    p.add_argument("--warm-up-s", type=float, default=10.0, help="seconds of the warm-up run")
     p.add_argument("--rebalance", action="store_true", help="let the ratio planner flip roles")
     p.add_argument(
         "--max-hold", type=float, default=5.0, help="router.max_hold_s (0: refuse at once)"

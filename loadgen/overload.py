@@ -10,6 +10,8 @@ then offer multiples of that rate and see how much of the peak goodput it keeps.
     over     each factor k: the same workload at k x the saturation rate; its goodput
              as a fraction of the peak, and how fast its refusals were answered
 
+A warm-up run (``warm_up_rate``, uncounted) may come first.
+
 A server that admits what it cannot serve loses goodput past saturation (queues grow,
 admitted requests miss their targets); one that refuses early and cheaply keeps it.
 The runs go one after another on one server, each for ``duration_s`` of arrivals, with
@@ -69,6 +71,11 @@ class OverloadConfig:
     start_rate: float = 1.0  # the climbing sweep's first rate, requests/s
     climb: float = 1.5  # each next rate, times the last
     max_sweep_runs: int = 10
+    # A run before the sweep, not counted: the router's cost models and the engines'
+    # first steps learn on it (a cold server refused a fifth of a first 1 req/s run on
+    # "prefill speed", and a climbing sweep stops at a first run past saturation).
+    warm_up_rate: float = 0.0  # requests/s; 0: no warm-up
+    warm_up_s: float = 10.0
 
 
 def run_overload(
@@ -90,6 +97,8 @@ def run_overload(
         time.sleep(config.settle_s)
         return row
 
+    if config.warm_up_rate > 0:
+        run(config.warm_up_rate, "warm-up", config.warm_up_s)
     if config.rates:
         sweep = [run(rate, "sweep") for rate in config.rates]
     else:

@@ -7,7 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
-from loadgen.overload import next_sweep_rate
+from loadgen import overload
+from loadgen.client import BenchConfig, BenchResult
+from loadgen.metrics import GoodputSLO, RequestRecord
+from loadgen.overload import OverloadConfig, next_sweep_rate
+from loadgen.scenario import WorkloadConfig
 
 
 def climb(
@@ -56,3 +60,49 @@ def test_a_first_run_already_past_saturation_ends_the_sweep() -> None:
 
 def test_the_sweep_stops_at_its_run_limit() -> None:
     assert len(climb(lambda rate: rate, max_runs=4)) == 4
+
+
+class FakeServer:
+    """``run_bench`` for ``run_overload``: serves ``min(rate, capacity)`` good requests
+    per second, but a cold one (its first run) only ``cold_share`` of them."""
+
+    def __init__(self, capacity: float, cold_share: float = 0.5) -> None:
+        self.capacity = capacity
+        self.cold_share = cold_share
+        self.rates: list[float] = []
+
+    def __call__(self, bench: BenchConfig) -> BenchResult:
+        rate, window_s = bench.rate.start_rps, bench.workload.duration_s
+        good = min(rate, self.capacity) * (self.cold_share if not self.rates else 1.0)
+        self.rates.append(rate)
+        records = [
+            RequestRecord(f"r{i}", True, i / good, ttft_s=0.1, e2el_s=0.2, output_tokens=1)
+            for i in range(round(good * window_s))
+        ]
+        return BenchResult({}, records)
+
+
+@pytest.mark.parametrize("warm_up_rate", [0.0, 1.0])
+def test_a_warm_up_run_keeps_a_cold_server_out_of_the_sweep(
+    monkeypatch: pytest.MonkeyPatch, warm_up_rate: float
+) -> None:
+    server = FakeServer(capacity=3.0)
+    monkeypatch.setattr(overload, "run_bench", server)
+    config = OverloadConfig(
+        "http://fake",
+        WorkloadConfig(),
+        GoodputSLO(ttft_ms=1000),
+        duration_s=10.0,
+        settle_s=0.0,
+        warm_up_rate=warm_up_rate,
+        warm_up_s=5.0,
+    )
+    result = overload.run_overload(config)
+    if not warm_up_rate:  # cold, the first run looks past saturation and ends the sweep
+        assert [row["rate"] for row in result["sweep"]] == [1.0]
+        assert result["peak_goodput"] == pytest.approx(0.5)
+        return
+    assert server.rates[0] == warm_up_rate  # the warm-up ran first, and is not counted
+    assert [row["rate"] for row in result["sweep"]] == [1.0, 1.5, 2.25, 3.375, 5.0625]
+    assert result["peak_goodput"] == pytest.approx(3.0)
+    assert result["saturation_rate"] == pytest.approx(3.375)
