@@ -21,8 +21,8 @@ until ``LengthClassifier.present_request_shares`` let a class that stopped comin
 (which needs every arrival observed, ``Router.arrive``: see ``test_router_live.py``).
 
 The scenario is sized for a host that prefills one prefill-heavy prompt in about
-``REF_PREFILL_S`` (2 AVX-512 cores). On a slower host (measured first, in this process)
-the offered rate is divided by the slowdown and both targets multiplied by it, so the
+``host_speed.REF_PREFILL_S`` (2 AVX-512 cores). On a slower host (measured first, in
+this process) the offered rate is divided by the slowdown and both targets multiplied by it, so the
 pressure on each role is the same in units of the host's own speed: on 2 AVX2 cores a
 1500-token prompt took 1.3 s, and at the unscaled 6 req/s both runs served almost nothing
 (26 and 29 of 360 good)."""
@@ -30,7 +30,6 @@ pressure on each role is the same in units of the host's own speed: on 2 AVX2 co
 from __future__ import annotations
 
 import re
-import statistics
 import subprocess
 import sys
 import urllib.request
@@ -48,6 +47,7 @@ from loadgen.client import BenchConfig, run_bench
 from loadgen.scenario import WorkloadConfig
 from loadgen.scripts import load_script
 from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
+from tests.e2e.host_speed import measure_slowdown
 
 pytestmark = [pytest.mark.slow]
 
@@ -56,7 +56,6 @@ PREFILL_HEAVY = WorkloadConfig(input_len="uniform:1200-1800", output_len="8", se
 DECODE_HEAVY = WorkloadConfig(input_len="uniform:32-64", output_len="160", seed=2)
 RATE = 6.0  # requests/s in every phase, on the reference host
 PHASES = (("prefill-heavy", PREFILL_HEAVY), ("decode-heavy", DECODE_HEAVY))
-REF_PREFILL_S = 0.25  # one 1500-token prefill of the model, alone, on the reference host
 INTERVAL_S = 2.0  # router.rebalance_interval_s with the planner on
 FIXED_INTERVAL_S = 3600.0  # ... and off: no interval ends within the run
 _FLIP = re.compile(r'baton_role_changes_total\{from_role="(\w+)",to_role="(\w+)"\} (\S+)')
@@ -99,35 +98,8 @@ class Scale:
 
 
 def measure_scale(model: Path) -> Scale:
-    """The median of three 1500-token prefills of ``model`` in this process, one thread,
-    against ``REF_PREFILL_S``."""
-    import time
-
-    import numpy as np
-    import torch
-
-    from services.config import EngineConfig
-    from services.engine.engine import LLMEngine
-    from services.engine.loader import load_model
-    from services.engine.messages import EngineRequest, SamplingParams
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = LLMEngine(load_model(str(model)), EngineConfig(device="cpu"))
-        took = []
-        for k in range(4):  # the first warms up
-            ids = np.random.default_rng(k).integers(3, 4000, 1500)
-            engine.add_request(
-                EngineRequest(f"c{k}", tuple(map(int, ids)), SamplingParams(max_tokens=1))
-            )
-            start = time.process_time()
-            while engine.has_unfinished():
-                engine.step()
-            took.append(time.process_time() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return Scale(max(1.0, statistics.median(took[1:]) / REF_PREFILL_S))
+    """This host against the reference (``tests.e2e.host_speed``)."""
+    return Scale(measure_slowdown(model))
 
 
 def run_phases(

@@ -1,0 +1,45 @@
+"""How much slower this host runs the engine than the machine the live scenarios were
+sized on (2 AVX-512 cores), so a test can offer the same pressure in units of the
+host's own speed: rates divided by it, latency targets multiplied by it."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+__all__ = ["REF_PREFILL_S", "measure_slowdown"]
+
+# One 1500-token prefill of ``benchmarks/overload.py``'s small model (15M parameters),
+# alone, one thread, on the reference host.
+REF_PREFILL_S = 0.25
+
+
+def measure_slowdown(small_model: Path) -> float:
+    """The median of three 1500-token prefills of the small model in this process, one
+    thread, against ``REF_PREFILL_S``; at least 1."""
+    import numpy as np
+    import torch
+
+    from services.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.engine.loader import load_model
+    from services.engine.messages import EngineRequest, SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(load_model(str(small_model)), EngineConfig(device="cpu"))
+        took = []
+        for k in range(4):  # the first warms up
+            ids = np.random.default_rng(k).integers(3, 4000, 1500)
+            engine.add_request(
+                EngineRequest(f"c{k}", tuple(map(int, ids)), SamplingParams(max_tokens=1))
+            )
+            start = time.process_time()
+            while engine.has_unfinished():
+                engine.step()
+            took.append(time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return max(1.0, statistics.median(took[1:]) / REF_PREFILL_S)
