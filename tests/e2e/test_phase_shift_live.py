@@ -21,8 +21,8 @@ until ``LengthClassifier.present_request_shares`` let a class that stopped comin
 (which needs every arrival observed, ``Router.arrive``: see ``test_router_live.py``).
 
 The scenario is sized for a host that prefills one prefill-heavy prompt in about
-``host_speed.REF_PREFILL_S`` (2 AVX-512 cores). On a slower host (measured first, in
-this process) the offered rate is divided by the slowdown and both targets multiplied by it, so the
+``loadgen.host_speed.REF_PREFILL_S`` (2 AVX-512 cores). On a slower host (measured
+first, in this process) the offered rate is divided by the slowdown and both targets multiplied by it, so the
 pressure on each role is the same in units of the host's own speed: on 2 AVX2 cores a
 1500-token prompt took 1.3 s, and at the unscaled 6 req/s both runs served almost nothing
 (26 and 29 of 360 good)."""
@@ -44,10 +44,10 @@ import yaml
 
 from loadgen.arrivals import RateSpec
 from loadgen.client import BenchConfig, run_bench
+from loadgen.host_speed import measure_slowdown
 from loadgen.scenario import WorkloadConfig
 from loadgen.scripts import load_script
 from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
-from tests.e2e.host_speed import measure_slowdown
 
 pytestmark = [pytest.mark.slow]
 
@@ -98,7 +98,7 @@ class Scale:
 
 
 def measure_scale(model: Path) -> Scale:
-    """This host against the reference (``tests.e2e.host_speed``)."""
+    """This host against the reference (``loadgen.host_speed``)."""
     return Scale(measure_slowdown(model))
 
 
@@ -106,9 +106,8 @@ def run_phases(
     bench: ModuleType, model: Path, work: Path, scale: Scale, interval_s: float
 ) -> dict[str, Any]:
     """The three phases on a fresh server, the ratio planner every ``interval_s``."""
-    config = bench.serve_config("slo_goodput", True, 0.0)
     slo = scale.slo(bench)
-    config["router"]["default_slo"] = {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
+    config = bench.serve_config("slo_goodput", True, 0.0, slo)
     config["workers"] = {"mode": "disaggregated", "prefill": 1, "decode": 1}
     config["engine"]["max_model_len"] = 2048
     config["router"]["rebalance_interval_s"] = interval_s

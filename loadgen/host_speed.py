@@ -1,6 +1,7 @@
 """How much slower this host runs the engine than the machine the live scenarios were
 sized on (2 AVX-512 cores), so a test can offer the same pressure in units of the
-host's own speed: rates divided by it, latency targets multiplied by it."""
+host's own speed: rates divided by it, latency targets multiplied by it (the live
+phase-shift and overload tests, ``benchmarks/overload.py --slo-scale auto``)."""
 
 from __future__ import annotations
 
