@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -128,7 +127,7 @@ def scaled_slo(scale: str, work: Path) -> GoodputSLO:
         if scale == "auto"
         else float(scale)
     )
-    return replace(SLO, ttft_ms=SLO.ttft_ms * factor, tpot_ms=SLO.tpot_ms * factor)
+    return SLO.scaled(factor)
 
 
 def main() -> None:

@@ -78,6 +78,8 @@ def arrival_times(
     spanned anywhere from about 12 to 29 s)."""
     if burstiness <= 0:
         raise WorkloadError(f"burstiness must be > 0, got {burstiness}")
+    if span_s is not None and span_s <= 0:
+        raise WorkloadError(f"span must be > 0 s, got {span_s}")
     if num_requests <= 0:
         return np.zeros(0)
     if math.isinf(rate.start_rps):
@@ -93,8 +95,6 @@ def arrival_times(
     times = np.cumsum(gaps)
     if span_s is None:
         return times
-    if span_s <= 0:
-        raise WorkloadError(f"span must be > 0 s, got {span_s}")
     # The first request comes at 0 and the extra gap closes the span: the last time
     # (where the next request would come) is the span's end.
     return times[:num_requests] * (span_s / times[-1])

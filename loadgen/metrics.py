@@ -81,6 +81,10 @@ class GoodputSLO:
         items = (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms))
         return {k: v for k, v in items if v is not None}
 
+    def scaled(self, factor: float) -> GoodputSLO:
+        """Every set target times ``factor`` (a slower host's targets, say)."""
+        return GoodputSLO(**{f"{k}_ms": v * factor for k, v in self.as_dict().items()})
+
     def is_good(self, record: RequestRecord) -> bool:
         if not record.success or record.ttft_s is None or record.e2el_s is None:
             return False

@@ -91,10 +91,7 @@ class Scale:
         """Both targets: a mixed worker's step that prefills a chunk beside the decodes
         takes the host's prefill speed too (unscaled, on 2 AVX2 cores 27 of the pooled
         run's 106 prefill-heavy requests missed their TPOT)."""
-        slo = bench.SLO
-        return replace(
-            slo, ttft_ms=slo.ttft_ms * self.slowdown, tpot_ms=slo.tpot_ms * self.slowdown
-        )
+        return bench.SLO.scaled(self.slowdown)
 
 
 def measure_scale(model: Path) -> Scale:

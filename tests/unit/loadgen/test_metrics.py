@@ -92,3 +92,9 @@ def test_refusals_are_counted_with_how_fast_they_were_answered() -> None:
     assert out["rejected"] == 2 and out["failed"] == 4
     assert out["max_rejection_ms"] == pytest.approx(40.0)
     assert 20.0 < out["p99_rejection_ms"] <= 40.0
+
+
+def test_a_scaled_slo_multiplies_every_set_target_and_leaves_the_rest_unset() -> None:
+    slo = GoodputSLO(ttft_ms=2000, tpot_ms=200).scaled(2.5)
+    assert slo == GoodputSLO(ttft_ms=5000, tpot_ms=500, e2el_ms=None)
+    assert GoodputSLO(e2el_ms=100).scaled(3.0) == GoodputSLO(e2el_ms=300)
