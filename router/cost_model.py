@@ -291,7 +291,11 @@ class CostModel:
         self._y[row] = sample.duration_s
         self.num_samples += 1
         self._since_fit += 1
-        if self._since_fit >= self.refit_every:
+        # Every step while the window is young: a prefill worker steps about once a
+        # prompt, and seeded with a GPU's profile its first 8 prefills (20 s at 1 req/s
+        # shared by two) were priced 20x faster than they ran: live, the ratio of its
+        # steps to that model refused 3 of a first 20 prompts on "prefill speed".
+        if self._since_fit >= self.refit_every or self.num_kept <= self.refit_every:
             self.refit()
 
     def refit(self) -> None:

@@ -203,3 +203,12 @@ def test_a_mixed_step_pays_one_fixed_cost_so_plain_decode_steps_stay_priced() ->
     assert model.step_s(0, 32, 32 * 1000) == pytest.approx(plain_s, rel=0.1)
     mixed_s = true_d.a + true_p.b * 480 + true_p.c * 480**2 + plain_s - true_d.a
     assert model.step_s(480, 32, 32 * 1000) == pytest.approx(mixed_s, rel=0.1)
+
+
+def test_a_young_model_refits_at_every_step_before_its_first_eight() -> None:
+    """Seeded with a GPU's profile (0.04 s for 200 tokens), a CPU worker's prefills
+    ran 1 s: three steps in, its curve is already near them, not still at the seed."""
+    model = CostModel(DEFAULT_PROFILE)
+    for i in range(3):
+        model.observe(StepSample(1.0, 200, 0, 200, end_s=float(i)))
+    assert model.prefill_s(200) > 0.25
