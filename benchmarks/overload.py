@@ -2,7 +2,7 @@
 saturation rate, then offered 2x and 3x that rate (loadgen/overload.py).
 
     python benchmarks/overload.py [--model medium|small|tiny|DIR] [--policy slo_goodput]
-        [--rates auto|4,8,12,16] [--start-rate 1] [--duration 20] [--over-duration 30]
+        [--rates auto|4,8,12,16] [--start-rate 1] [--duration 20] [--over-duration S]
         [--warm-up-rate 1] [--warm-up-s 10] [--slo-scale auto] [--rebalance]
 
 One JSON object per line: each run's row, then a summary with each factor's goodput as

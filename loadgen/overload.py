@@ -26,7 +26,12 @@ which adds the drain of the last admitted requests: past saturation they sit in
 batches grown to the TPOT target, so on a short run the drain alone takes a share off
 that has nothing to do with what the server sustains (measured live, 2 prefill + 2
 decode at 32 req/s: 282 requests good out of 282 admitted, all sent within 20 s, and
-the last answered at 25.8 s, so 10.9 req/s against the 14.1 it served).
+the last answered at 25.8 s, so 10.9 req/s against the 14.1 it served). Past
+saturation the same drain reads the other way: what a run admitted last, a queue's
+worth, is served after its window, so the shorter a run, the higher its goodput reads;
+runs compared with each other need the same window (live, about 8 s of queue past
+saturation: 20 s sweep runs read (20 + 8) / 20 of what they sustain, 30 s overloaded
+runs (30 + 8) / 30, which costs the overloaded runs a tenth of the peak by that alone).
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ class OverloadConfig:
     factors: Sequence[float] = (2.0, 3.0)
     duration_s: float = 10.0
     settle_s: float = 3.0
-    over_duration_s: float | None = None  # each factor's run (None: duration_s)
+    over_duration_s: float | None = None  # each factor's run (None: duration_s; see above)
     bench: BenchConfig | None = None  # endpoint, tokenizer, ... (base_url and rate set here)
     start_rate: float = 1.0  # the climbing sweep's first rate, requests/s
     climb: float = 1.5  # each next rate, times the last
