@@ -30,7 +30,6 @@ with a 429 and ``Retry-After`` at once, never after a hold. Plans with no predic
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from router.correction import Outcome, OutcomeCorrector
@@ -50,9 +49,9 @@ class AdmissionSettings:
 
 class AttainmentGuard:
     """The share of its headroom admission uses, per target, learned from the requests
-    it admitted: a miss takes ``STEP`` off (down to ``FLOOR``), each request that met it
-    gives ``STEP × MISS_RATE / (1 − MISS_RATE)`` back (up to 1), so the share settles
-    where about ``MISS_RATE`` of admitted requests miss.
+    it admitted: each one that missed its target takes ``STEP`` off (down to ``FLOOR``),
+    each one that met it gives ``STEP × MISS_RATE / (1 − MISS_RATE)`` back (up to 1),
+    so the share settles where about ``MISS_RATE`` of admitted requests miss.
 
     Predictions are means; a worker's speed also swings with what runs beside it (on a
     shared host, with the other workers' load). Admitting while predictions reach the
@@ -61,17 +60,7 @@ class AttainmentGuard:
     target: 41 of the 207 admitted missed their TPOT, and the batches they grew locked
     everyone out for seconds; at 0.7 of it, none of 282 missed. The guard finds that
     share from outcomes instead of a fixed setting, and where predictions hold (the
-    simulator) it stays at 1.
-
-    One cut per spell: a miss by a request admitted before the last cut (``placed_s``
-    earlier than the miss that made it) takes nothing more off: it was admitted at the
-    share that cut answered, and says nothing of the share since. Misses come in bursts: the
-    requests admitted in the same few seconds wait in the same queue. Counted one by
-    one, the 18 TTFT misses of one such burst (live, 2 prefill + 2 decode offered 11
-    req/s, in a run without the prefill-speed estimate) took the share to its floor,
-    and recovering takes about 50 met requests per step: the next 30 s, at 2x the
-    saturation rate, kept 0.66 of the peak goodput, and not one admitted request
-    missed."""
+    simulator) it stays at 1."""
 
     MISS_RATE = 0.02
     STEP = 0.05
@@ -80,22 +69,17 @@ class AttainmentGuard:
     def __init__(self) -> None:
         self.ttft = 1.0
         self.tpot = 1.0
-        self._cut_s = {"ttft": -math.inf, "tpot": -math.inf}  # when each share was last cut
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.met_ttft is not None:
-            self.ttft = self._step("ttft", self.ttft, not outcome.met_ttft, outcome)
+            self.ttft = self._step(self.ttft, not outcome.met_ttft)
         if outcome.met_tpot is not None:
-            self.tpot = self._step("tpot", self.tpot, not outcome.met_tpot, outcome)
+            self.tpot = self._step(self.tpot, not outcome.met_tpot)
 
-    def _step(self, target: str, share: float, missed: bool, outcome: Outcome) -> float:
-        if not missed:
-            return min(1.0, share + self.STEP * self.MISS_RATE / (1.0 - self.MISS_RATE))
-        if outcome.placed_s is not None and outcome.placed_s < self._cut_s[target]:
-            return share  # admitted before the last cut: that spell is counted
-        if outcome.at_s is not None:
-            self._cut_s[target] = outcome.at_s
-        return max(self.FLOOR, share - self.STEP)
+    def _step(self, share: float, missed: bool) -> float:
+        if missed:
+            return max(self.FLOOR, share - self.STEP)
+        return min(1.0, share + self.STEP * self.MISS_RATE / (1.0 - self.MISS_RATE))
 
 
 class Admission:

@@ -46,7 +46,6 @@ class Outcome:
     # TTFT from its arrival, TPOT over every token after the first, hand-off included.
     met_ttft: bool | None = None
     met_tpot: bool | None = None
-    placed_s: float | None = None  # when it was admitted (the clock of at_s; None: not known)
 
 
 @dataclass(frozen=True, slots=True)

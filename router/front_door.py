@@ -20,19 +20,18 @@ It owns everything around ``policy.plan`` that used to exist once per caller:
 
 Call order, per request: ``arrive`` (optional: ``place`` does it) -> ``place`` (again
 after each ``Hold``) -> ``release(id, worker)`` at each worker's first event for it ->
-``release(id)`` when it ends however it ends; ``observe_transfer``,
-``observe_first_token`` and ``observe_outcome`` as they happen.
+``release(id)`` when it ends however it ends; ``observe_transfer`` and
+``observe_outcome`` as they happen.
 
 Pure like the rest of ``router``: no Ray, HTTP, torch or clock reads; ``now_s`` is
 passed in. A worker report is anything shaped like ``services.workers.messages.
 WorkerSnapshot`` (``WorkerReport`` below), so this module imports nothing of services.
 
-Learning from outcomes: a request's measured TTFT against its plan's prediction
-(``router.correction.Outcome``) reaches the router at its first token
-(``observe_first_token``), its output length (the KV estimator's history) and TPOT when
-it finishes (``observe_outcome``); the measurements correct each worker's predictions,
-and ``router.admission`` refuses at ``place`` what the corrected predictions say will
-miss.
+Learning from outcomes: ``observe_outcome`` is the one place where a finished
+request's output length (the KV estimator's history) and its measured TTFT/TPOT against
+its plan's predictions (``router.correction.Outcome``) reach the router; the latter
+correct each worker's predictions, and ``router.admission`` refuses at ``place`` what
+the corrected predictions say will miss.
 """
 
 from __future__ import annotations
@@ -159,14 +158,6 @@ class Router:
 
     def reports(self) -> dict[str, WorkerReport]:
         return {wid: w.report for wid, w in self._workers.items()}
-
-    def observe_first_token(self, outcome: Outcome) -> None:
-        """A request's first token against its plan's TTFT (``outcome``'s TTFT fields),
-        as soon as it came: taught at the end of the request instead, a whole decode
-        later (48 tokens at 0.2 s, live), admission went on admitting into a queue that
-        already made its requests miss, for a decode's length of arrivals."""
-        self.corrector.observe(outcome)
-        self.admission.observe(outcome)
 
     def observe_outcome(self, output_len: int, outcome: Outcome | None = None) -> None:
         """A finished request's output length (the history H of the KV estimator, which
@@ -347,7 +338,6 @@ class Router:
             worker_id,
             cost_model if callable(cost_model) else None,
             prefill=prefill,
-            margin=bool(getattr(self.policy, "use_error_margin", False)),
         )
 
     def _report(self, worker_id: str) -> WorkerReport | None:

@@ -68,7 +68,6 @@ def recent_slowdown(
     cost_model: Callable[[str], CostModel] | None,
     *,
     prefill: bool = False,
-    margin: bool = False,
 ) -> float:
     """How much slower than its cost ``model`` the worker's last few decode steps
     (``prefill``: steps that prefilled) ran while it has that work: the median of
@@ -82,23 +81,14 @@ def recent_slowdown(
     own prediction, the ones after it at that speed (live, 2 prefill + 2 decode
     offered 48 req/s after a pause: 85 requests were admitted in the first 2 s on the
     model's figures alone, 35 of them missed TPOT, and the grown batches locked
-    everyone out for 6 s while they drained).
-
-    ``margin``: against the model as the policy's plans price it, times one plus its
-    recent error (``CostModel.prefill_error`` / ``decode_error``), so that a plan's
-    prediction times this ratio is the plan at the speed the worker steps now; against
-    the bare model it counted that error twice (live, 2 prefill + 2 decode at 3x their
-    saturation rate: prompts that took 1.2-1.3x their plans' TTFT were priced at
-    1.3-1.7x, and a third of the requests that got a plan were refused on it)."""
+    everyone out for 6 s while they drained)."""
     steps = recent_steps(report, reservations, worker_id, prefill=prefill, placed=True)
     if cost_model is None or not steps:
         return 0.0
     model = cost_model(worker_id)
-    error = (model.prefill_error if prefill else model.decode_error) if margin else 0.0
     ratios = []
     for s in steps:
         modelled = model.step_s(s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens)
-        modelled *= 1.0 + error
         if modelled > 0:
             ratios.append(s.duration_s / modelled)
     return statistics.median(ratios) if ratios else 0.0

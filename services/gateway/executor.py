@@ -16,8 +16,7 @@
 Every worker a request touched is told to abort it if the request does not end
 normally (client hung up, error): its blocks, held ones included, are freed
 (plan_runner.py). However the request ends, the router is told (``release``); when
-its first token comes, the TTFT its first placement showed (``observe_first_token``);
-when it finishes, its output length and TPOT (``observe_outcome``).
+it finishes, also what its first placement showed (``observe_outcome``).
 """
 
 from __future__ import annotations
@@ -83,26 +82,7 @@ class _Trace:
         self.last_token_s = now_s
         self.num_tokens = num_tokens
 
-    def first_token_outcome(self) -> Outcome | None:
-        """The TTFT the first placement showed, once its first token came."""
-        plan = self.plan
-        if plan is None or self.replaced or self.first_token_s is None:
-            return None
-        return Outcome(
-            prefill_worker=plan.prefill_worker,
-            decode_worker=plan.decode_worker or plan.prefill_worker,
-            predicted_ttft_s=plan.predicted_ttft_s,
-            observed_ttft_s=self.first_token_s - self.placed_s,
-            predicted_tpot_s=None,
-            observed_tpot_s=None,
-            at_s=self.first_token_s,
-            met_ttft=_met(self.first_token_s - self.arrival_s, self.ttft_target_s),
-            placed_s=self.placed_s,
-        )
-
     def outcome(self) -> Outcome | None:
-        """The TPOT the first placement showed, once the request finished (its TTFT
-        was taught at the first token)."""
         plan = self.plan
         if plan is None or self.replaced or self.first_token_s is None:
             return None
@@ -121,13 +101,13 @@ class _Trace:
         return Outcome(
             prefill_worker=plan.prefill_worker,
             decode_worker=plan.decode_worker or plan.prefill_worker,
-            predicted_ttft_s=None,
-            observed_ttft_s=None,
+            predicted_ttft_s=plan.predicted_ttft_s,
+            observed_ttft_s=self.first_token_s - self.placed_s,
             predicted_tpot_s=plan.predicted_tpot_s,
             observed_tpot_s=tpot_s,
             at_s=self.last_token_s,
+            met_ttft=_met(self.first_token_s - self.arrival_s, self.ttft_target_s),
             met_tpot=_met(seen_tpot_s, self.tpot_target_s),
-            placed_s=self.placed_s,
         )
 
 
@@ -204,11 +184,7 @@ class PlanExecutor:
                 async for delta in attempts:
                     generated.extend(delta.token_ids)
                     if delta.token_ids:
-                        first = trace.first_token_s is None
                         trace.saw_tokens(time.monotonic(), len(generated))
-                        if first and (outcome := trace.first_token_outcome()) is not None:
-                            self._router.observe_first_token(outcome)
-                            self._show_admission()
                     if delta.finish_reason is not None:
                         self._observe_outcome(len(generated), trace)
                     yield delta
@@ -219,9 +195,6 @@ class PlanExecutor:
         """The finished request teaches the router; ``/metrics`` shows where admission
         stands after it (a share under 1: admitted requests have been missing)."""
         self._router.observe_outcome(num_generated, trace.outcome())
-        self._show_admission()
-
-    def _show_admission(self) -> None:
         guard = self._router.admission.guard
         self._metrics.admission_share.labels("ttft").set(guard.ttft)
         self._metrics.admission_share.labels("tpot").set(guard.tpot)

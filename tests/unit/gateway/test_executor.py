@@ -292,10 +292,9 @@ async def test_no_room_on_the_decode_worker_is_re_placed_as_often_as_it_takes() 
     assert executor._router.num_reservations() == 0
 
 
-async def test_a_request_teaches_the_router_its_workers_observed_speed_as_it_goes() -> None:
-    """The executor measures TTFT from placement and reports it with the plan's
-    prediction at the first token (``observe_first_token``), before the stream ends;
-    TPOT between tokens when it finishes (``observe_outcome``): the router's per-worker
+async def test_a_finished_request_teaches_the_router_its_workers_observed_speed() -> None:
+    """The executor measures TTFT from placement and TPOT between tokens and reports them,
+    with the plan's predictions, through ``observe_outcome``: the router's per-worker
     correction moves from the identity towards what was seen."""
     from router.correction import Outcome
     from router.types import Plan
@@ -304,30 +303,23 @@ async def test_a_request_teaches_the_router_its_workers_observed_speed_as_it_goe
         def plan(self, profile: Any, view: Any, now_s: float) -> Plan:
             return Plan("p", "d", predicted_ttft_s=1e-6, predicted_tpot_s=1e-6)
 
-    first: list[Outcome] = []
-    finished: list[Outcome | None] = []
+    seen: list[Outcome | None] = []
     p = ScriptedWorker("p", prefill_script)
     d = ScriptedWorker("d", lambda job: [delta(B), delta(C), delta(D, FinishReason.LENGTH)])
     executor, _, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
     router = executor._router
     router.policy = FakePredicting()  # type: ignore[assignment]
-    observe_first, observe = router.observe_first_token, router.observe_outcome
-    router.observe_first_token = lambda o: (first.append(o), observe_first(o))  # type: ignore[method-assign]
-    router.observe_outcome = lambda n, o=None: (finished.append(o), observe(n, o))  # type: ignore[method-assign]
+    observe = router.observe_outcome
+    router.observe_outcome = lambda n, o=None: (seen.append(o), observe(n, o))  # type: ignore[method-assign]
     import time
 
     sampling = SamplingParams(max_tokens=4, temperature=0.0)
     for i in range(router.corrector.settings.min_samples):
-        stream = executor.run(f"r{i}", PROMPT, sampling, time.monotonic())
-        await stream.__anext__()  # the first token
-        assert len(first) == i + 1 and len(finished) == i  # taught before the end
-        [x async for x in stream]
-    ttft, tpot = first[-1], finished[-1]
-    assert (ttft.prefill_worker, ttft.decode_worker) == ("p", "d")
-    assert ttft.observed_ttft_s is not None and ttft.observed_ttft_s > 1e-6
-    assert ttft.observed_tpot_s is None
-    assert tpot is not None and tpot.observed_ttft_s is None
-    assert tpot.observed_tpot_s is not None and tpot.observed_tpot_s > 0
+        [x async for x in executor.run(f"r{i}", PROMPT, sampling, time.monotonic())]
+    outcome = seen[-1]
+    assert outcome is not None and (outcome.prefill_worker, outcome.decode_worker) == ("p", "d")
+    assert outcome.observed_ttft_s is not None and outcome.observed_ttft_s > 1e-6
+    assert outcome.observed_tpot_s is not None and outcome.observed_tpot_s > 0
     assert router.corrector.ttft_s("p", 1e-6) > 1e-6
 
 
@@ -366,8 +358,7 @@ def test_observed_tpot_counts_decode_steps_not_the_hand_off() -> None:
     trace.saw_tokens(1.03, 4)  # one delta with two tokens
     outcome = trace.outcome()
     assert outcome is not None and outcome.observed_tpot_s == pytest.approx(0.01)
-    ttft = trace.first_token_outcome()
-    assert ttft is not None and ttft.observed_ttft_s == pytest.approx(0.01)
+    assert outcome.observed_ttft_s == pytest.approx(0.01)
 
 
 def test_an_outcome_says_whether_the_client_saw_its_targets_met_hand_off_included() -> None:
@@ -383,16 +374,14 @@ def test_an_outcome_says_whether_the_client_saw_its_targets_met_hand_off_include
     trace.saw_tokens(0.31, 1)
     trace.saw_tokens(1.31, 2)
     trace.saw_tokens(1.33, 4)
-    outcome, ttft = trace.outcome(), trace.first_token_outcome()
+    outcome = trace.outcome()
     assert outcome is not None and outcome.observed_tpot_s == pytest.approx(0.01)
-    assert ttft is not None and ttft.met_ttft is True and outcome.met_tpot is False
+    assert outcome.met_ttft is True and outcome.met_tpot is False
     late = _Trace(plan=plan, placed_s=0.3, arrival_s=0.0, ttft_target_s=0.3, tpot_target_s=0.5)
     late.saw_tokens(0.31, 1)
     late.saw_tokens(0.5, 2)
-    missed, missed_ttft = late.outcome(), late.first_token_outcome()
-    assert missed_ttft is not None and missed_ttft.met_ttft is False
-    assert missed is not None and missed.met_tpot is True
+    missed = late.outcome()
+    assert missed is not None and missed.met_ttft is False and missed.met_tpot is True
     unknown = _Trace(plan=plan, placed_s=0.0)
     unknown.saw_tokens(0.01, 1)
-    assert unknown.first_token_outcome() is not None
-    assert unknown.first_token_outcome().met_ttft is None  # type: ignore[union-attr]
+    assert unknown.outcome() is not None and unknown.outcome().met_ttft is None  # type: ignore[union-attr]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.admission import AdmissionSettings, AttainmentGuard
+from router.admission import AdmissionSettings
 from router.correction import Outcome
 from router.cost_model import CostModel
 from router.front_door import Hold, Router, RouterSettings
@@ -269,50 +269,3 @@ def test_the_headroom_share_has_a_floor_and_stays_put_when_not_adaptive() -> Non
     )
     fixed.observe_outcome(10, finished(missed_tpot=True, missed_ttft=True))
     assert (fixed.admission.guard.ttft, fixed.admission.guard.tpot) == (1.0, 1.0)
-
-
-def test_a_burst_of_misses_admitted_before_the_cut_takes_one_step_off() -> None:
-    """Requests admitted in the same seconds miss together: the first miss cuts the
-    share, the others, placed before that cut, take nothing more off; a request
-    admitted after the cut that misses cuts it again."""
-    r = build(FakePredictingPolicy())
-    step = AttainmentGuard.STEP
-
-    def missed(placed_s: float, at_s: float) -> Outcome:
-        return Outcome("p", "d", 0.5, 0.5, 0.05, 0.05, at_s=at_s, met_ttft=False, placed_s=placed_s)
-
-    for i in range(18):  # admitted over 0-1.7 s, all missed, seen from 10 s on
-        r.observe_outcome(10, missed(placed_s=0.1 * i, at_s=10.0 + 0.1 * i))
-    assert r.admission.guard.ttft == pytest.approx(1.0 - step)
-    r.observe_outcome(10, missed(placed_s=10.5, at_s=20.0))  # admitted after the cut
-    assert r.admission.guard.ttft == pytest.approx(1.0 - 2 * step)
-    r.observe_outcome(10, missed(placed_s=19.0, at_s=21.0))  # ... but before the second
-    assert r.admission.guard.ttft == pytest.approx(1.0 - 2 * step)
-
-
-class FakeMarginModel:
-    """A cost model whose prefills are priced at 0.1 s bare and whose recent prefill
-    steps ran 25% slower than that, on average (a fake: tests only)."""
-
-    prefill_error = 0.25
-    decode_error = 0.0
-
-    def step_s(self, num_prefill_tokens: float, num_seqs: float, context: float) -> float:
-        return 0.1 if num_prefill_tokens > 0 else 0.01
-
-
-@pytest.mark.parametrize("use_error_margin, expected", [(True, 2.0), (False, 2.5)])
-def test_the_speed_now_is_measured_against_the_model_as_plans_price_it(
-    use_error_margin: bool, expected: float
-) -> None:
-    """Plans carry the model's error margin (1.25x here) when the policy prices with it;
-    steps that ran 2.5x the bare model ran 2x the plans' price, and that is the factor a
-    plan is priced up by (2.5 counted the margin twice)."""
-    policy = FakeModelledPolicy(tpot_s=0.05)
-    policy.model = FakeMarginModel()  # type: ignore[assignment]
-    policy.use_error_margin = use_error_margin  # type: ignore[attr-defined]
-    r = build(policy)
-    steps = tuple(StepSample(0.25, 400, 0, 0, end_s=float(i)) for i in range(4))
-    queued = snapshot("p", Role.PREFILL, 2, waiting=(400,))
-    r.update(dataclasses.replace(queued, recent_steps=steps))
-    assert r.recent_slowdown("p", prefill=True) == pytest.approx(expected)
