@@ -71,9 +71,15 @@ class AttainmentGuard:
         self.tpot = 1.0
 
     def observe(self, outcome: Outcome) -> None:
-        if outcome.met_ttft is not None:
+        """Only a target admission judged the request by (its plan predicted it) moves
+        that share: a request placed unjudged (``round_robin``, or before a switch to
+        ``slo_goodput``) says nothing of how far admission's predictions can be trusted.
+        Live, on a loaded host, ``round_robin`` phases missing a 1 s TTFT at p90 cut
+        the share, and the ``slo_goodput`` phases after them refused short prompts that
+        were served in 60 ms (``test_router_live``)."""
+        if outcome.met_ttft is not None and outcome.predicted_ttft_s is not None:
             self.ttft = self._step(self.ttft, not outcome.met_ttft)
-        if outcome.met_tpot is not None:
+        if outcome.met_tpot is not None and outcome.predicted_tpot_s is not None:
             self.tpot = self._step(self.tpot, not outcome.met_tpot)
 
     def _step(self, share: float, missed: bool) -> float:

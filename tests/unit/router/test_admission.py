@@ -269,3 +269,17 @@ def test_the_headroom_share_has_a_floor_and_stays_put_when_not_adaptive() -> Non
     )
     fixed.observe_outcome(10, finished(missed_tpot=True, missed_ttft=True))
     assert (fixed.admission.guard.ttft, fixed.admission.guard.tpot) == (1.0, 1.0)
+
+
+def test_requests_placed_unjudged_leave_the_headroom_share_alone() -> None:
+    """Outcomes whose plans predicted nothing (``round_robin``, or placed before a switch
+    to a predicting policy) missed their targets without admission having trusted a
+    prediction: the shares stay put, and one predicted target moves only its own."""
+    r = build(FakePredictingPolicy())
+    unjudged = Outcome("p", "d", None, 2.0, None, 0.5, met_ttft=False, met_tpot=False)
+    for _ in range(20):
+        r.observe_outcome(10, unjudged)
+    assert (r.admission.guard.ttft, r.admission.guard.tpot) == (1.0, 1.0)
+    ttft_only = Outcome("p", "d", 0.5, 2.0, None, 0.5, met_ttft=False, met_tpot=False)
+    r.observe_outcome(10, ttft_only)
+    assert (r.admission.guard.ttft, r.admission.guard.tpot) == (pytest.approx(0.95), 1.0)
