@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.correction import Outcome, OutcomeCorrector
+from router.live_speed import NO_SLOWDOWN, Slowdown
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
 
 __all__ = ["Admission", "AdmissionSettings", "AttainmentGuard"]
@@ -107,13 +108,13 @@ class Admission:
         default_slo: SLO,
         waited_s: float = 0.0,
         step_s: float = 0.0,
-        slowdown: float = 0.0,
-        prefill_slowdown: float = 0.0,
+        slowdown: Slowdown = NO_SLOWDOWN,
+        prefill_slowdown: Slowdown = NO_SLOWDOWN,
     ) -> Reject | None:
         """None: admit ``plan``; else why not. ``waited_s``: how long the oldest request
         placed on the plan's prefill worker has waited for its first token so far;
         ``step_s``: the decode worker's recent step time while it runs requests;
-        ``slowdown``: how much slower than modelled those steps ran;
+        ``slowdown``: how much slower than modelled those steps ran (``Slowdown``);
         ``prefill_slowdown``: the same of the prefill worker's recent prefills while
         prompts wait there."""
         if not self.settings.enabled:
@@ -138,7 +139,7 @@ class Admission:
             corrected_ttft_s, bound = max(
                 (corrected_ttft_s, "model"),
                 (waited_s, "queue wait"),
-                (plan.predicted_ttft_s * prefill_slowdown, "prefill speed"),
+                (prefill_slowdown.price(plan.predicted_ttft_s), "prefill speed"),
                 key=lambda term: term[0],
             )
             elapsed_s = max(0.0, now_s - profile.arrival_s)
@@ -162,7 +163,7 @@ class Admission:
             # the worker stepped last (0 for the first request placed on an idle one): a
             # batch that keeps growing from the requests still in prefill is refused
             # before its steps show it.
-            corrected_tpot_s = max(corrected_tpot_s, plan.predicted_tpot_s * slowdown)
+            corrected_tpot_s = max(corrected_tpot_s, slowdown.price(plan.predicted_tpot_s))
             if corrected_tpot_s > tpot_headroom * tpot_target_s:
                 return self._refuse("predicted tpot miss", corrected_ttft_s)
         return None

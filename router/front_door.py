@@ -328,8 +328,8 @@ class Router:
         """The decode worker's speed as it is now (``router.live_speed.recent_step_s``)."""
         return live_speed.recent_step_s(self._report(worker_id), self._reservations, worker_id)
 
-    def recent_slowdown(self, worker_id: str, *, prefill: bool = False) -> float:
-        """Measured over modelled for ``worker_id``'s last few steps while it has work
+    def recent_slowdown(self, worker_id: str, *, prefill: bool = False) -> live_speed.Slowdown:
+        """How ``worker_id``'s last few steps ran against its model while it has work
         (``router.live_speed.recent_slowdown``)."""
         cost_model = getattr(self.policy, "cost_model", None)
         return live_speed.recent_slowdown(

@@ -6,14 +6,51 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from router.cost_model import CostModel
 from router.reservations import Reservations
 from router.types import StepSample, WorkerReport
 
-__all__ = ["RECENT_STEPS", "pending_age_s", "recent_slowdown", "recent_step_s", "recent_steps"]
+__all__ = [
+    "MAX_COMPUTE_SLOWDOWN",
+    "NO_SLOWDOWN",
+    "RECENT_STEPS",
+    "Slowdown",
+    "pending_age_s",
+    "recent_slowdown",
+    "recent_step_s",
+    "recent_steps",
+]
 
 RECENT_STEPS = 3  # decode steps whose median is the worker's speed now
+# The most a worker's compute slows under contention (a shared host's cores, a GPU's
+# neighbours): a step slower than that against its model spent the rest waiting.
+MAX_COMPUTE_SLOWDOWN = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class Slowdown:
+    """How a worker's last steps ran against its cost model: its compute ``scale``
+    times slower (at most ``MAX_COMPUTE_SLOWDOWN``), and ``wait_s`` more per step that
+    did not scale with the work (its process pre-empted on a shared host, or its engine
+    loop held up by a KV transfer in another thread). ``Slowdown()``: none known.
+
+    Measured live on a host with one core taken (2 prefill + 2 decode, 48 req/s): a
+    1-sequence decode step modelled at 1-3 ms ran 2 ms, then 35, then 50: 10-78x its
+    model. Priced as a ratio, a 7 ms plan became 0.55 s, past a 0.2 s TPOT target, and
+    admission refused requests whose TPOT came out at 34 ms (p50) and 79 ms (p90)."""
+
+    scale: float = 0.0
+    wait_s: float = 0.0
+
+    def price(self, modelled_s: float) -> float:
+        """What a step (or steps) modelled at ``modelled_s`` takes at this speed; 0 when
+        none is known."""
+        return modelled_s * self.scale + self.wait_s if self.scale > 0.0 else 0.0
+
+
+NO_SLOWDOWN = Slowdown()
 
 
 def pending_age_s(reservations: Reservations, worker_id: str, now_s: float) -> float:
@@ -68,27 +105,32 @@ def recent_slowdown(
     cost_model: Callable[[str], CostModel] | None,
     *,
     prefill: bool = False,
-) -> float:
+) -> Slowdown:
     """How much slower than its cost ``model`` the worker's last few decode steps
-    (``prefill``: steps that prefilled) ran while it has that work: the median of
-    measured / modelled; 0 when it has none (runs no request and has none placed to
-    decode there; ``prefill``: has no prompt waiting or placed on it) or the policy
-    keeps no cost model (``cost_model``: the policy's model of a worker, or None). The model is fitted from the same steps but over hundreds, each weighed by
-    its relative error, which favours the fast ones: where the speed has just fallen (a
-    loaded host, a grown batch on a CPU that computes it no faster), this ratio knows
-    it at once. A ratio is per step of whatever batch ran, so an idle decode worker's
-    last steps still price a burst placed on it: the first request goes by the plan's
-    own prediction, the ones after it at that speed (live, 2 prefill + 2 decode
-    offered 48 req/s after a pause: 85 requests were admitted in the first 2 s on the
-    model's figures alone, 35 of them missed TPOT, and the grown batches locked
-    everyone out for 6 s while they drained)."""
+    (``prefill``: steps that prefilled) ran while it has that work: the medians of
+    each step's compute scale and wait (``Slowdown``); ``Slowdown()`` when it has none
+    (runs no request and has none placed to decode there; ``prefill``: has no prompt
+    waiting or placed on it) or the policy keeps no cost model (``cost_model``: the
+    policy's model of a worker, or None). The model is fitted from the same steps but
+    over hundreds, each weighed by its relative error, which favours the fast ones:
+    where the speed has just fallen (a loaded host, a grown batch on a CPU that
+    computes it no faster), this knows it at once. It is per step of whatever batch
+    ran, so an idle decode worker's last steps still price a burst placed on it: the
+    first request goes by the plan's own prediction, the ones after at that speed
+    (live, 2 prefill + 2 decode offered 48 req/s after a pause: 85 requests were
+    admitted in the first 2 s on the model's figures alone, 35 of them missed TPOT,
+    and the grown batches locked everyone out for 6 s while they drained)."""
     steps = recent_steps(report, reservations, worker_id, prefill=prefill, placed=True)
     if cost_model is None or not steps:
-        return 0.0
+        return NO_SLOWDOWN
     model = cost_model(worker_id)
-    ratios = []
+    scales, waits = [], []
     for s in steps:
         modelled = model.step_s(s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens)
         if modelled > 0:
-            ratios.append(s.duration_s / modelled)
-    return statistics.median(ratios) if ratios else 0.0
+            scale = s.duration_s / modelled
+            scales.append(min(scale, MAX_COMPUTE_SLOWDOWN))
+            waits.append(max(0.0, s.duration_s - MAX_COMPUTE_SLOWDOWN * modelled))
+    if not scales:
+        return NO_SLOWDOWN
+    return Slowdown(statistics.median(scales), statistics.median(waits))

@@ -12,6 +12,7 @@ from router.admission import AdmissionSettings
 from router.correction import Outcome
 from router.cost_model import CostModel
 from router.front_door import Hold, Router, RouterSettings
+from router.live_speed import MAX_COMPUTE_SLOWDOWN, NO_SLOWDOWN, Slowdown
 from router.types import (
     SLO,
     ClusterView,
@@ -185,13 +186,35 @@ def test_a_plan_is_priced_at_the_speed_the_decode_worker_steps_now() -> None:
     r = build(FakeModelledPolicy(tpot_s=0.08))
     modelled_s = CostModel(PROFILE).decode_step_s(8, 800)
     busy(r, 1.5 * modelled_s)
-    assert r.recent_slowdown("d") == pytest.approx(1.5)
+    assert r.recent_slowdown("d") == Slowdown(pytest.approx(1.5), 0.0)
     refused = ask(r, "i")
     assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
     busy(r, modelled_s, seq=3)
     assert isinstance(ask(r, "j"), Plan)
     r.update(snapshot("d", Role.DECODE, 4))
-    assert r.recent_slowdown("d") == 0.0
+    assert r.recent_slowdown("d") == NO_SLOWDOWN
+
+
+def test_steps_far_slower_than_compute_slows_are_priced_as_waiting_not_as_scale() -> None:
+    """d's last steps ran 8x their model (a process pre-empted on a shared host). Up to
+    4x is compute, which scales with the plan's step; the rest is a wait per step,
+    which does not. A 0.013 s plan is then 4 x 0.013 + 4 x 0.0101 = 0.092 s, within the
+    0.1 s target (as a ratio it was 8 x 0.013 = 0.104 s, refused); a 0.03 s plan is
+    0.16 s and still refused."""
+    assert MAX_COMPUTE_SLOWDOWN == 4.0
+    modelled_s = CostModel(PROFILE).decode_step_s(1, 40)
+    steps = tuple(StepSample(8 * modelled_s, 0, 1, 40, end_s=float(i)) for i in range(4))
+    report = snapshot("d", Role.DECODE, 2, running=(RunningRequest(40, 5, 16),))
+
+    def judged(plan_tpot_s: float) -> Any:
+        r = build(FakeModelledPolicy(tpot_s=plan_tpot_s))
+        r.update(dataclasses.replace(report, recent_steps=steps))
+        assert r.recent_slowdown("d") == Slowdown(4.0, pytest.approx(4 * modelled_s))
+        return ask(r, "i")
+
+    assert isinstance(judged(0.013), Plan)
+    refused = judged(0.03)
+    assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
 
 
 def test_a_plan_is_priced_at_the_speed_the_prefill_worker_prefills_now() -> None:
@@ -206,11 +229,11 @@ def test_a_plan_is_priced_at_the_speed_the_prefill_worker_prefills_now() -> None
     )
     queued = snapshot("p", Role.PREFILL, 2, waiting=(400,))
     r.update(dataclasses.replace(queued, recent_steps=steps))
-    assert r.recent_slowdown("p", prefill=True) == pytest.approx(2.5)
+    assert r.recent_slowdown("p", prefill=True) == Slowdown(pytest.approx(2.5), 0.0)
     refused = ask(r, "i")
     assert isinstance(refused, Reject) and refused.reason == "predicted ttft miss (prefill speed)"
     r.update(dataclasses.replace(snapshot("p", Role.PREFILL, 3), recent_steps=steps))
-    assert r.recent_slowdown("p", prefill=True) == 0.0
+    assert r.recent_slowdown("p", prefill=True) == NO_SLOWDOWN
     assert isinstance(ask(r, "j"), Plan)
 
 
@@ -223,9 +246,9 @@ def test_a_burst_on_an_idle_decode_worker_is_priced_at_its_last_speed_after_the_
     busy(r, 1.5 * modelled_s)
     slow = r.reports()["d"].recent_steps
     r.update(dataclasses.replace(snapshot("d", Role.DECODE, 3), recent_steps=slow))
-    assert r.recent_step_s("d") == 0.0 and r.recent_slowdown("d") == 0.0
+    assert r.recent_step_s("d") == 0.0 and r.recent_slowdown("d") == NO_SLOWDOWN
     assert isinstance(ask(r, "first"), Plan)
-    assert r.recent_slowdown("d") == pytest.approx(1.5)
+    assert r.recent_slowdown("d") == Slowdown(pytest.approx(1.5), 0.0)
     refused = ask(r, "second")
     assert isinstance(refused, Reject) and refused.reason == "predicted tpot miss"
     r.release("first")  # nothing placed there any more: the next one goes by the plan
