@@ -324,20 +324,34 @@ async def test_a_finished_request_teaches_the_router_its_workers_observed_speed(
 
 
 async def test_metrics_show_the_admission_share_fall_as_admitted_requests_miss() -> None:
+    """The share moves only with requests admission judged: p prefills 20 ms after it is
+    asked, past the 10 ms TTFT the plan promised to meet; placed unjudged, the same
+    miss moves nothing."""
+    import asyncio
     import time
 
-    from router.types import SLO
+    from router.types import SLO, Plan
 
-    p = ScriptedWorker("p", prefill_script)
+    class FakePredicting:  # a fake policy: p -> d, predicting far faster than p prefills
+        def plan(self, profile: Any, view: Any, now_s: float) -> Plan:
+            return Plan("p", "d", predicted_ttft_s=1e-6, predicted_tpot_s=1e-6)
+
+    class SlowScriptedWorker(ScriptedWorker):
+        async def generate(self, job: Job) -> AsyncIterator[WorkerEvent]:
+            await asyncio.sleep(0.02)
+            async for event in super().generate(job):
+                yield event
+
+    p = SlowScriptedWorker("p", prefill_script)
     d = ScriptedWorker("d", lambda job: [delta(B), delta(C), delta(D, FinishReason.LENGTH)])
     executor, metrics, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
     share = metrics.admission_share.labels
     sampling = SamplingParams(max_tokens=4, temperature=0.0)
-    met = SLO(ttft_s=60.0, tpot_s=60.0)
-    [x async for x in executor.run("met", PROMPT, sampling, time.monotonic(), slo=met)]
+    missed = SLO(ttft_s=0.01, tpot_s=60.0)
+    [x async for x in executor.run("unjudged", PROMPT, sampling, time.monotonic(), slo=missed)]
     assert share("ttft")._value.get() == share("tpot")._value.get() == 1.0
-    missed = SLO(ttft_s=1e-9, tpot_s=60.0)  # no first token comes within a nanosecond
-    [x async for x in executor.run("missed", PROMPT, sampling, time.monotonic(), slo=missed)]
+    executor._router.policy = FakePredicting()  # type: ignore[assignment]
+    [x async for x in executor.run("judged", PROMPT, sampling, time.monotonic(), slo=missed)]
     guard = executor._router.admission.guard
     assert share("ttft")._value.get() == guard.ttft < 1.0
     assert share("tpot")._value.get() == 1.0
