@@ -126,8 +126,10 @@ def run_phases(
             phase = replace(workload, duration_s=scale.phase_s)
             result = run_bench(replace(base, workload=phase, rate=RateSpec(scale.rate)))
             phase_good = sum(1 for r in result.records if slo.is_good(r))
+            refused = sum(1 for r in result.records if r.status == 429)
             good += phase_good
-            by_phase.append((name, phase_good, len(result.records)))
+            # (phase, good, sent, refused at the door): the rest were served late
+            by_phase.append((name, phase_good, len(result.records), refused))
             seen.append(flips(url))
     finally:
         stop(proc, grace_s=60)
