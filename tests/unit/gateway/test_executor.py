@@ -29,6 +29,7 @@ from services.workers.messages import (
     WorkerEvent,
     WorkerSnapshot,
 )
+from tests.unit.router.builders import FakePredictingPolicy
 
 LAYOUT = KVLayout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=1, dtype="float32")
 HANDLE = BlockHandle("local", "p", "kv", "t1", (3,), LAYOUT, expires_at_s=1e9)
@@ -297,18 +298,13 @@ async def test_a_finished_request_teaches_the_router_its_workers_observed_speed(
     with the plan's predictions, through ``observe_outcome``: the router's per-worker
     correction moves from the identity towards what was seen."""
     from router.correction import Outcome
-    from router.types import Plan
-
-    class FakePredicting:  # a fake policy: p -> d, predicting far faster than the workers
-        def plan(self, profile: Any, view: Any, now_s: float) -> Plan:
-            return Plan("p", "d", predicted_ttft_s=1e-6, predicted_tpot_s=1e-6)
 
     seen: list[Outcome | None] = []
     p = ScriptedWorker("p", prefill_script)
     d = ScriptedWorker("d", lambda job: [delta(B), delta(C), delta(D, FinishReason.LENGTH)])
     executor, _, _ = build([(p, Role.PREFILL), (d, Role.DECODE)])
     router = executor._router
-    router.policy = FakePredicting()  # type: ignore[assignment]
+    router.policy = FakePredictingPolicy(1e-6, 1e-6)  # type: ignore[assignment]
     observe = router.observe_outcome
     router.observe_outcome = lambda n, o=None: (seen.append(o), observe(n, o))  # type: ignore[method-assign]
     import time
@@ -330,11 +326,7 @@ async def test_metrics_show_the_admission_share_fall_as_admitted_requests_miss()
     import asyncio
     import time
 
-    from router.types import SLO, Plan
-
-    class FakePredicting:  # a fake policy: p -> d, predicting far faster than p prefills
-        def plan(self, profile: Any, view: Any, now_s: float) -> Plan:
-            return Plan("p", "d", predicted_ttft_s=1e-6, predicted_tpot_s=1e-6)
+    from router.types import SLO
 
     class SlowScriptedWorker(ScriptedWorker):
         async def generate(self, job: Job) -> AsyncIterator[WorkerEvent]:
@@ -350,7 +342,7 @@ async def test_metrics_show_the_admission_share_fall_as_admitted_requests_miss()
     missed = SLO(ttft_s=0.01, tpot_s=60.0)
     [x async for x in executor.run("unjudged", PROMPT, sampling, time.monotonic(), slo=missed)]
     assert share("ttft")._value.get() == share("tpot")._value.get() == 1.0
-    executor._router.policy = FakePredicting()  # type: ignore[assignment]
+    executor._router.policy = FakePredictingPolicy(1e-6, 1e-6)  # type: ignore[assignment]
     [x async for x in executor.run("judged", PROMPT, sampling, time.monotonic(), slo=missed)]
     guard = executor._router.admission.guard
     assert share("ttft")._value.get() == guard.ttft < 1.0

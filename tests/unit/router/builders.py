@@ -127,3 +127,13 @@ def plan_of(result: Plan | Reject) -> Plan:
     """The plan a policy returned (fails the test on a refusal or a hold)."""
     assert isinstance(result, Plan), result
     return result
+
+
+class FakePredictingPolicy:
+    """Plans p -> d with fixed predictions, as ``slo_goodput`` would (a fake: tests only)."""
+
+    def __init__(self, ttft_s: float | None = 0.5, tpot_s: float | None = 0.05) -> None:
+        self.ttft_s, self.tpot_s = ttft_s, tpot_s
+
+    def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan:
+        return Plan("p", "d", predicted_ttft_s=self.ttft_s, predicted_tpot_s=self.tpot_s)

@@ -15,7 +15,6 @@ from router.front_door import Hold, Router, RouterSettings
 from router.live_speed import MAX_COMPUTE_SLOWDOWN, NO_SLOWDOWN, Slowdown
 from router.types import (
     SLO,
-    ClusterView,
     Plan,
     Priority,
     Reject,
@@ -24,20 +23,10 @@ from router.types import (
     RunningRequest,
     StepSample,
 )
-from tests.unit.router.builders import PROFILE
+from tests.unit.router.builders import PROFILE, FakePredictingPolicy
 from tests.unit.router.test_front_door import snapshot
 
 TARGET = SLO(ttft_s=1.0, tpot_s=0.1)
-
-
-class FakePredictingPolicy:
-    """Plans p -> d with fixed predictions, as ``slo_goodput`` would (a fake: tests only)."""
-
-    def __init__(self, ttft_s: float | None = 0.5, tpot_s: float | None = 0.05) -> None:
-        self.ttft_s, self.tpot_s = ttft_s, tpot_s
-
-    def plan(self, profile: RequestProfile, view: ClusterView, now_s: float) -> Plan:
-        return Plan("p", "d", predicted_ttft_s=self.ttft_s, predicted_tpot_s=self.tpot_s)
 
 
 def build(policy: Any) -> Router:
