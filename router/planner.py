@@ -14,10 +14,12 @@ output) against their targets. Pressure is taken to scale as ``1/pool size``. Bo
   lower the worst pressure by more than ``hysteresis``: the least pressed role
   gives a worker first, so a 1 prefill + 1 decode cluster becomes 2 mixed in two
   steps;
-* mixed -> dedicated when the mixed workers miss their targets (pressure above
-  ``1 + hysteresis``: chunked prefills slow their decodes) and the dedicated
-  pools have room: to prefill if TTFT is the larger miss, else to decode, never
-  leaving no worker that can prefill or decode;
+* mixed -> dedicated when the mixed workers miss TPOT (above ``1 + hysteresis``:
+  chunked prefills stall their decodes) and the dedicated pools have room: to
+  decode while the prompts' TTFT, pooled over one prefilling worker fewer, stays
+  below that miss, else (the last worker that prefills) to prefill, handing its
+  decodes to the decode pool; never on a TTFT miss (no dedicated role prefills
+  more), never leaving no worker that can prefill or decode;
 * encode <-> prefill, weighed first when there are encode workers: the encode
   pool's pressure (its predicted queue wait / the TTFT target) against prefill's,
   the same way (never emptying the encode pool).
@@ -209,8 +211,8 @@ class RatioPlanner:
         pools = [(pressure.prefill, num_prefill, Flip.PREFILL_TO_MIXED)]
         pools.append((pressure.decode, num_decode, Flip.DECODE_TO_MIXED))
         if num_mixed:
-            if pressure.mixed > 1.0:
-                return Flip.NONE  # the mixed workers have no room to take more
+            if pressure.mixed_tpot > 1.0:
+                return Flip.NONE  # their decodes have no room for more prefill chunks
             pools.append((pressure.mixed, num_mixed, Flip.NONE))
         present = [(x, n, f) for x, n, f in pools if n > 0]
         total = sum(n for _, n, _ in present)
@@ -227,27 +229,30 @@ class RatioPlanner:
     def _from_mixed(
         self, pressure: RolePressure, num_prefill: int, num_decode: int, num_mixed: int
     ) -> Flip:
-        """Mixed workers missing their targets: give a dedicated pool one back."""
-        m = pressure.mixed
+        """Mixed workers missing TPOT (chunked prefills stall their decodes): give a
+        dedicated pool one back. A TTFT miss never unpools: the router already spreads
+        prompts over every worker that prefills, and a dedicated worker prefills no
+        faster (to decode it prefills nothing). Live, a 2-mixed pair overloaded by long
+        prompts went back to 1 prefill + 1 decode this way in the middle of a
+        prefill-heavy phase, and served fewer of them than the split that never pooled."""
+        m = pressure.mixed_tpot
         if m <= 1.0 + self.hysteresis:
             return Flip.NONE
         if num_prefill and pressure.prefill >= m - self.hysteresis:
             return Flip.NONE  # the dedicated pools are as pressed: nothing gained
         if num_decode and pressure.decode >= m - self.hysteresis:
             return Flip.NONE
-        to_prefill = pressure.mixed_ttft >= pressure.mixed_tpot
-        # Never leave no worker that can prefill or no worker that can decode.
         others = num_mixed - 1
-        can_leave = {
-            Flip.MIXED_TO_PREFILL: num_decode + others > 0,
-            Flip.MIXED_TO_DECODE: num_prefill + others > 0,
-        }
-        first, second = (
-            (Flip.MIXED_TO_PREFILL, Flip.MIXED_TO_DECODE)
-            if to_prefill
-            else (Flip.MIXED_TO_DECODE, Flip.MIXED_TO_PREFILL)
-        )
-        return first if can_leave[first] else second if can_leave[second] else Flip.NONE
+        if num_prefill + others > 0:
+            # To decode, if the prompts' TTFT, pooled over one prefilling worker fewer,
+            # stays below the TPOT miss it cures.
+            prefilling = num_prefill + num_mixed
+            load = pressure.prefill * num_prefill + pressure.mixed_ttft * num_mixed
+            after = load / (prefilling - 1)
+            return Flip.MIXED_TO_DECODE if after < m - self.hysteresis else Flip.NONE
+        # The last worker that prefills: it keeps prefilling, its decodes go to the
+        # decode pool (which has room: above).
+        return Flip.MIXED_TO_PREFILL if num_decode else Flip.NONE
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,12 +63,15 @@ class Rebalancer:
         if flip is None:
             return None
         log.info(
-            "flipping %s from %s to %s (prefill pressure %.2f, decode pressure %.2f)",
+            "flipping %s from %s to %s (pressure: prefill %.2f, decode %.2f, "
+            "mixed TTFT %.2f, mixed TPOT %.2f)",
             flip.worker_id,
             flip.source,
             flip.target,
             pressure.prefill,
             pressure.decode,
+            pressure.mixed_ttft,
+            pressure.mixed_tpot,
         )
         now = await self._controller.set_role(flip.worker_id, flip.target)
         if now is not flip.target:

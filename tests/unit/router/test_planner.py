@@ -94,6 +94,17 @@ def test_two_workers_move_from_1p1d_to_two_mixed_and_back() -> None:
     assert planner.decide(4.0, _mixed(0.0, 0.0, 0.9, 0.95), 0, 0, 2) is Flip.NONE
 
 
+def test_long_prompts_overloading_two_mixed_workers_never_unpool_them() -> None:
+    planner = RatioPlanner(interval_s=1.0, hysteresis=0.1, min_dwell_s=1.0)
+    # TTFT misses on 2 mixed workers: no dedicated role would prefill more.
+    assert planner.decide(0.0, _mixed(0.0, 0.0, 2.5, 0.6), 0, 0, 2) is Flip.NONE
+    # A TPOT miss, but one prefilling worker fewer would put TTFT at 1.8: worse.
+    assert planner.decide(1.0, _mixed(0.0, 0.0, 0.9, 1.3), 0, 0, 2) is Flip.NONE
+    # 1P+1M, the prefill worker just emptied, the mixed one missing TTFT: the mixed one
+    # is not sent to decode (the prompts would queue on one worker), the pool forms.
+    assert planner.decide(2.0, _mixed(0.1, 0.0, 1.6, 0.5), 1, 0, 1) is Flip.PREFILL_TO_MIXED
+
+
 def test_a_flipped_worker_dwells_in_its_role() -> None:
     from router.planner import choose_flip
     from router.types import Role
