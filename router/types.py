@@ -33,6 +33,11 @@ class Role(enum.StrEnum):
     MIXED = "mixed"  # serves both: colocated plans
     ENCODE = "encode"
 
+    def does_all_of(self, other: Role) -> bool:
+        """This role takes every request ``other`` takes (mixed: prefill's and
+        decode's), so a worker flipping from ``other`` to it keeps its work in flight."""
+        return self is other or (self is Role.MIXED and other in (Role.PREFILL, Role.DECODE))
+
 
 class Priority(enum.StrEnum):
     INTERACTIVE = "interactive"

@@ -13,6 +13,7 @@ Event loop (one heap, ordered by time then sequence number)::
                with images and no encode worker is encoded by its prefill worker,
                in its first prefill step
     REBALANCE  every rebalance_interval_s     -> router.plan_flip(now): drain one worker
+                                                 (none to mixed: it keeps its work)
     FLIPPED    a drained worker's flip is done (flip_latency_s later) -> its new role
 
 The simulator drives ``router.Router`` exactly as the gateway does: a worker whose
@@ -370,7 +371,8 @@ class SimCluster:
 
     def _rebalance_tick(self, now_s: float) -> None:
         """As the gateway's ``Rebalancer``: the router's flip, applied by draining the
-        worker (no new plans; what it has finishes), then ``flip_latency_s`` to flip."""
+        worker (no new plans; what it has finishes), then ``flip_latency_s`` to flip;
+        to a role that takes all its work (mixed), ``flip_latency_s`` undrained."""
         if self._flipping is not None:
             self._maybe_flip(self._flipping[0], now_s)
         else:
@@ -379,9 +381,13 @@ class SimCluster:
             if flip is not None:
                 worker = self._by_id[flip.worker_id]
                 self._flipping = (worker, flip.target)
-                worker.draining = True
-                worker.mark_dirty()
-                self._maybe_flip(worker, now_s)
+                if flip.target.does_all_of(flip.source):  # to mixed: no drain
+                    self._flip_due = True
+                    self._push(now_s + self.flip_latency_s, _FLIPPED, worker, 0)
+                else:
+                    worker.draining = True
+                    worker.mark_dirty()
+                    self._maybe_flip(worker, now_s)
         if self._heap:  # more to simulate: keep ticking
             self._push(now_s + self.router.settings.rebalance_interval_s, _REBALANCE, None, 0)
 

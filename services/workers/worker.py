@@ -25,6 +25,7 @@ and for control, always through Ray::
 
     async for snapshot in worker.telemetry(): ...  one subscription per gateway
     await worker.set_role(Role.DECODE)             drains in-flight requests first
+                                                   (not to mixed, which takes them all)
 """
 
 from __future__ import annotations
@@ -264,11 +265,18 @@ class Worker:
         """Drain (stop taking work, let in-flight requests finish), then switch role;
         the role it has after. A worker keeps its own, undrained, where it cannot take
         ``role``: a fixed-role one, or the encode role on an engine that cannot encode
-        (vLLM's)."""
+        (vLLM's). To a role that takes all its work (prefill or decode to mixed) it
+        switches at once: what it has in flight goes on, and it takes new work
+        meanwhile (drained, a prefill worker becoming mixed under a queue of long
+        prompts would take nothing new until the last of them had prefilled)."""
         if self._fixed_role or (
             role is Role.ENCODE and role is not self._role and not self._loop.can_encode
         ):
             return self._role
+        if role.does_all_of(self._role):
+            self._role = role
+            self._loop.mark_dirty()
+            return role
         self._draining = True
         self._loop.mark_dirty()
         deadline = time.monotonic() + drain_timeout_s

@@ -123,6 +123,20 @@ async def test_set_role_drains_first(worker) -> None:  # type: ignore[no-untyped
     assert done.role is Role.DECODE and not done.draining
 
 
+async def test_a_flip_to_mixed_keeps_the_work_in_flight_and_does_not_drain(worker) -> None:  # type: ignore[no-untyped-def]
+    """Mixed takes every request prefill and decode take: the worker switches at once
+    and its stream goes on."""
+    w = worker(Role.PREFILL)
+    stream = w.generate(Generate(request("r", max_tokens=400)))
+    first = await anext(stream)
+    assert await asyncio.wait_for(w.set_role(Role.MIXED), 0.5) is Role.MIXED
+    flipped = await w.snapshot()
+    assert flipped.role is Role.MIXED and not flipped.draining
+    assert len(flipped.running) == 1  # still running: no drain
+    events = [first, *[e async for e in stream]]
+    assert events[-1].finish_reason is FinishReason.LENGTH
+
+
 async def test_a_fixed_role_worker_keeps_its_role_and_keeps_serving(worker) -> None:  # type: ignore[no-untyped-def]
     """An encode worker on another engine than the text workers' (beside vLLM): a flip
     changes nothing and drains nothing; the caller learns the role it kept."""
