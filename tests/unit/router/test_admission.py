@@ -39,7 +39,7 @@ def build(policy: Any) -> Router:
 def teach(r: Router, ttft_factor: float = 1.0, tpot_factor: float = 1.0) -> None:
     """Requests finish this many times slower than predicted."""
     for i in range(12):
-        predicted = 0.2 + 0.02 * i
+        predicted = 0.2 + 0.05 * i  # 0.2-0.75 s: the predictions asked about below
         r.observe_outcome(
             10,
             Outcome("p", "d", predicted, ttft_factor * predicted, 0.05, tpot_factor * 0.05),
