@@ -232,9 +232,10 @@ class RatioPlanner:
         """Mixed workers missing TPOT (chunked prefills stall their decodes): give a
         dedicated pool one back. A TTFT miss never unpools: the router already spreads
         prompts over every worker that prefills, and a dedicated worker prefills no
-        faster (to decode it prefills nothing). Live, a 2-mixed pair overloaded by long
-        prompts went back to 1 prefill + 1 decode this way in the middle of a
-        prefill-heavy phase, and served fewer of them than the split that never pooled."""
+        faster (to decode it prefills nothing). Live (CI), a 2-mixed pair went back to
+        1 prefill + 1 decode in the middle of a prefill-heavy phase and served fewer of
+        its long prompts than the split that never pooled; a TPOT miss there is cured
+        at the cost of TTFT, so it unpools only when TTFT can take it."""
         m = pressure.mixed_tpot
         if m <= 1.0 + self.hysteresis:
             return Flip.NONE
