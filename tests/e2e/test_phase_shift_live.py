@@ -19,6 +19,10 @@ and after the decode-heavy phase the spatial split kept one of the two mixed wor
 for short prompts through the whole second prefill-heavy phase (31 against 44 good),
 until ``LengthClassifier.present_request_shares`` let a class that stopped coming go
 (which needs every arrival observed, ``Router.arrive``: see ``test_router_live.py``).
+Later it tied or lost (126-126, 114-114, 98-99) when the pool went back to 1+1 inside
+a prefill-heavy phase, or a fresh cluster's outcome correction refused most of its
+first phase; with both mended (``router/planner.py``, ``router/correction.py``) and
+flips to mixed undrained: 134-112, 128-113, 122-106, 120-106 (slowdown 4.4-5.7).
 
 The scenario is sized for a host that prefills one prefill-heavy prompt in about
 ``loadgen.host_speed.REF_PREFILL_S`` (2 AVX-512 cores). On a slower host (measured
