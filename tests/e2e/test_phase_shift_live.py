@@ -19,10 +19,11 @@ and after the decode-heavy phase the spatial split kept one of the two mixed wor
 for short prompts through the whole second prefill-heavy phase (31 against 44 good),
 until ``LengthClassifier.present_request_shares`` let a class that stopped coming go
 (which needs every arrival observed, ``Router.arrive``: see ``test_router_live.py``).
-Later it tied or lost (126-126, 114-114, 98-99) when the pool went back to 1+1 inside
-a prefill-heavy phase, or a fresh cluster's outcome correction refused most of its
-first phase; with both mended (``router/planner.py``, ``router/correction.py``) and
-flips to mixed undrained: 134-112, 128-113, 122-106, 120-106 (slowdown 4.4-5.7).
+Later it tied or lost in CI (126-126, 114-114, 98-99): in the last the pool went back
+to 1+1 inside a prefill-heavy phase, and a fresh cluster's outcome correction could
+refuse most of a first phase (3 of 8 fixed runs here). With the planner mended (``router/planner.py``): 134-112 and 128-113;
+with flips to mixed undrained and the correction mended too (``router/correction.py``):
+122-106 and 120-106 (slowdown 4.4-5.7).
 
 The scenario is sized for a host that prefills one prefill-heavy prompt in about
 ``loadgen.host_speed.REF_PREFILL_S`` (2 AVX-512 cores). On a slower host (measured
