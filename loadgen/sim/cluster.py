@@ -381,13 +381,10 @@ class SimCluster:
             if flip is not None:
                 worker = self._by_id[flip.worker_id]
                 self._flipping = (worker, flip.target)
-                if flip.target.does_all_of(flip.source):  # to mixed: no drain
-                    self._flip_due = True
-                    self._push(now_s + self.flip_latency_s, _FLIPPED, worker, 0)
-                else:
+                if not flip.target.does_all_of(flip.source):  # to mixed: no drain
                     worker.draining = True
                     worker.mark_dirty()
-                    self._maybe_flip(worker, now_s)
+                self._maybe_flip(worker, now_s)
         if self._heap:  # more to simulate: keep ticking
             self._push(now_s + self.router.settings.rebalance_interval_s, _REBALANCE, None, 0)
 
@@ -395,7 +392,7 @@ class SimCluster:
         flipping = self._flipping
         if flipping is None or flipping[0] is not worker or self._flip_due:
             return
-        if worker.is_idle():
+        if not worker.draining or worker.is_idle():
             self._flip_due = True
             self._push(now_s + self.flip_latency_s, _FLIPPED, worker, 0)
 
