@@ -9,7 +9,8 @@ before anything is reserved or queued, when
   corrected TTFT is at least how long the oldest request placed on the same prefill
   worker has waited for its first token so far, the queue as it is now, and the
   plan's TTFT at the speed that worker's recent prefills ran against its cost model
-  while prompts wait there), or
+  while prompts wait there: once its correction has learned, only as far as that speed
+  is slower than the one the correction learned at), or
 * its decode worker would step slower than ``headroom × TPOT target``: while it runs
   requests, by its corrected prediction or by its recent steps as they are; and,
   while it runs or has requests placed there, by the plan's step (what is reserved
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.correction import Outcome, OutcomeCorrector
-from router.live_speed import NO_SLOWDOWN, Slowdown
+from router.live_speed import NO_SLOWDOWN, JudgedSpeeds, Slowdown
 from router.types import SLO, Plan, Priority, Reject, RequestProfile
 
 __all__ = ["Admission", "AdmissionSettings", "AttainmentGuard"]
@@ -94,6 +95,14 @@ class Admission:
         self.settings = settings
         self.corrector = corrector
         self.guard = AttainmentGuard()
+        # The prefill speed each worker's plans were judged at, over about the time its
+        # TTFT correction's pairs were learned in.
+        self.prefill_speeds = JudgedSpeeds(corrector.settings.max_age_s)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker died or changed role: what it taught and how fast it ran go."""
+        self.corrector.forget(worker_id)
+        self.prefill_speeds.forget(worker_id)
 
     def observe(self, outcome: Outcome) -> None:
         """A finished request's outcome against its targets (the guard's input)."""
@@ -127,9 +136,8 @@ class Admission:
         tpot_target_s = profile.slo.tpot_s or default_slo.tpot_s
         corrected_ttft_s = 0.0
         if plan.predicted_ttft_s is not None:
-            corrected_ttft_s = self.corrector.ttft_s(
-                plan.prefill_worker, plan.predicted_ttft_s, now_s
-            )
+            model_s = self.corrector.ttft_s(plan.prefill_worker, plan.predicted_ttft_s, now_s)
+            speed_s = self._at_prefill_speed(plan, model_s, prefill_slowdown, now_s)
             # The queue ahead as it is now: a request joining it waits about as long as
             # the one at its head has (the model and its correction lag behind a
             # worker that has just slowed down, or a burst that has just arrived).
@@ -137,9 +145,9 @@ class Admission:
             # rejections' label in /metrics): the learned model, the queue's head, or the
             # worker's speed now.
             corrected_ttft_s, bound = max(
-                (corrected_ttft_s, "model"),
+                (model_s, "model"),
                 (waited_s, "queue wait"),
-                (prefill_slowdown.price(plan.predicted_ttft_s), "prefill speed"),
+                (speed_s, "prefill speed"),
                 key=lambda term: term[0],
             )
             elapsed_s = max(0.0, now_s - profile.arrival_s)
@@ -167,6 +175,29 @@ class Admission:
             if corrected_tpot_s > tpot_headroom * tpot_target_s:
                 return self._refuse("predicted tpot miss", corrected_ttft_s)
         return None
+
+    def _at_prefill_speed(
+        self, plan: Plan, corrected_ttft_s: float, speed: Slowdown, now_s: float
+    ) -> float:
+        """The plan's TTFT at the speed its prefill worker prefills now (0: none known).
+
+        Where the worker's TTFT correction has learned, it was learned on plans judged
+        at about the speed of lately (``JudgedSpeeds``), so it already prices a worker
+        that steadily runs slower than its cost model: only a speed past that one raises
+        the corrected TTFT, by their ratio. Priced against the bare model instead, the
+        two counted one slowdown twice: live, at 2x the saturation rate (2 prefill + 2
+        decode), a prefill worker's steps ran steadily 1.1-1.8x its model, 54 of 55
+        refusals were on the prefill speed, and every request admitted met its TTFT, at
+        4-7.5 s against a 9.8 s target. With nothing learned yet the plan is priced at
+        that speed from its own prediction."""
+        worker = plan.prefill_worker
+        if speed.scale <= 0.0 or plan.predicted_ttft_s is None:
+            return 0.0
+        reference = self.prefill_speeds.reference(worker)
+        self.prefill_speeds.observe(worker, speed.scale, now_s)
+        if reference > 0.0 and self.corrector.ttft_learned(worker, now_s):
+            return corrected_ttft_s * max(1.0, speed.scale / reference) + speed.wait_s
+        return speed.price(plan.predicted_ttft_s)
 
     def _refuse(self, reason: str, wait_s: float) -> Reject:
         return Reject(reason, retry_after_s=max(self.settings.min_retry_after_s, wait_s))

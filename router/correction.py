@@ -159,6 +159,16 @@ class OutcomeCorrector:
     def tpot_s(self, worker_id: str, predicted_s: float, now_s: float | None = None) -> float:
         return _corrected(self._tpot.get(worker_id), predicted_s, now_s)
 
+    def ttft_learned(self, worker_id: str, now_s: float | None = None) -> bool:
+        """Whether ``ttft_s`` corrects ``worker_id``'s predictions by what it taught
+        (``now_s``: within ``max_age_s``), rather than passing them through."""
+        c = self._ttft.get(worker_id)
+        if c is None:
+            return False
+        if now_s is not None:
+            c.expire(now_s)
+        return c.num_samples >= self.settings.min_samples
+
     def ttft_fit(self, worker_id: str) -> LinearFit:
         c = self._ttft.get(worker_id)
         return _IDENTITY if c is None else c.fit

@@ -134,7 +134,7 @@ class Router:
             self._slots = None
         else:
             if known.report.role != report.role:
-                self.corrector.forget(wid)  # its predictions are a new role's now
+                self.admission.forget(wid)  # its predictions are a new role's now
             if known.report.prefix_digest != report.prefix_digest:
                 known.digest = frozenset(report.prefix_digest)
             known.report = report
@@ -151,7 +151,7 @@ class Router:
         for wid in self._reservations.drop_worker(worker_id):
             self._invalidate(wid)
         self._links.forget(worker_id)
-        self.corrector.forget(worker_id)
+        self.admission.forget(worker_id)
 
     def is_alive(self, worker_id: str) -> bool:
         return worker_id in self._workers

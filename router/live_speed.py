@@ -4,6 +4,7 @@ a plan at where the cost model, fitted over hundreds of steps, lags (``Router``'
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ __all__ = [
     "MAX_COMPUTE_SLOWDOWN",
     "NO_SLOWDOWN",
     "RECENT_STEPS",
+    "JudgedSpeeds",
     "Slowdown",
     "pending_age_s",
     "recent_slowdown",
@@ -134,3 +136,33 @@ def recent_slowdown(
     if not scales:
         return NO_SLOWDOWN
     return Slowdown(statistics.median(scales), statistics.median(waits))
+
+
+class JudgedSpeeds:
+    """Per worker, the speed (``Slowdown.scale``) its plans were judged at lately: a mean
+    over about ``horizon_s`` (each sample's weight decays as ``exp(-age / horizon_s)``).
+
+    A learned correction (``router.correction``) is fitted on plans judged at about
+    this speed, so it already prices a worker that steadily runs this much slower than
+    its cost model; only a speed past it is news to the correction."""
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self._mean: dict[str, tuple[float, float]] = {}  # worker -> (mean scale, when)
+
+    def reference(self, worker_id: str) -> float:
+        """The mean scale judged at lately (0 with none yet)."""
+        known = self._mean.get(worker_id)
+        return 0.0 if known is None else known[0]
+
+    def observe(self, worker_id: str, scale: float, now_s: float) -> None:
+        known = self._mean.get(worker_id)
+        if known is None:
+            self._mean[worker_id] = (scale, now_s)
+            return
+        mean, at_s = known
+        weight = 1.0 - math.exp(-max(0.0, now_s - at_s) / self.horizon_s)
+        self._mean[worker_id] = (mean + weight * (scale - mean), max(at_s, now_s))
+
+    def forget(self, worker_id: str) -> None:
+        self._mean.pop(worker_id, None)

@@ -226,6 +226,38 @@ def test_a_plan_is_priced_at_the_speed_the_prefill_worker_prefills_now() -> None
     assert isinstance(ask(r, "j"), Plan)
 
 
+def prefilling_at(r: Router, scale: float, seq: int) -> None:
+    """p reports a prompt waiting and its last prefills ``scale`` times its model."""
+    steps = tuple(
+        StepSample(scale * CostModel(PROFILE).prefill_s(400), 400, 0, 0, end_s=float(seq + i))
+        for i in range(4)
+    )
+    queued = snapshot("p", Role.PREFILL, seq, waiting=(400,))
+    r.update(dataclasses.replace(queued, recent_steps=steps))
+
+
+def test_a_speed_the_ttft_correction_learned_at_is_not_counted_again() -> None:
+    """p prefills steadily 1.5x slower than its model, and the requests placed at that
+    speed met their predicted TTFTs: the correction learned that 1.5x costs nothing
+    more. A 0.75 s plan is then taken at 0.75 s (priced 1.5x over the model, as before,
+    it was 1.125 s, past the 1 s target). When p's prefills fall to 3x its model, twice
+    the speed learned at, the same plan is 1.5 s: refused on the prefill speed before
+    the correction can know."""
+    policy = FakeModelledPolicy(tpot_s=0.05)
+    r = build(policy)
+    prefilling_at(r, 1.5, seq=2)
+    assert isinstance(ask(r, "a"), Plan)  # 0.5 s at 1.5x: 0.75 s, within the target
+    r.release("a")
+    teach(r)  # what was placed at that speed met its predictions
+    policy.ttft_s = 0.75
+    assert isinstance(ask(r, "b"), Plan)
+    r.release("b")
+    prefilling_at(r, 3.0, seq=10)
+    refused = ask(r, "c")
+    assert isinstance(refused, Reject) and refused.reason == "predicted ttft miss (prefill speed)"
+    assert refused.retry_after_s == pytest.approx(1.5)
+
+
 def test_a_burst_on_an_idle_decode_worker_is_priced_at_its_last_speed_after_the_first() -> None:
     """d ran 1.5x slower than modelled, then went idle (its last steps still reported).
     The first request placed there goes by the plan's 0.08 s; the next, with the first
