@@ -31,6 +31,7 @@ with a 429 and ``Retry-After`` at once, never after a hold. Plans with no predic
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from router.correction import Outcome, OutcomeCorrector
@@ -53,7 +54,9 @@ class AttainmentGuard:
     """The share of its headroom admission uses, per target, learned from the requests
     it admitted: each one that missed its target takes ``STEP`` off (down to ``FLOOR``),
     each one that met it gives ``STEP × MISS_RATE / (1 − MISS_RATE)`` back (up to 1),
-    so the share settles where about ``MISS_RATE`` of admitted requests miss.
+    so the share settles where about ``MISS_RATE`` of admitted requests miss; and what
+    misses took off returns with time (``age``), so a spell of misses is forgotten
+    within about ``RECOVERY_S`` once it stops.
 
     Predictions are means; a worker's speed also swings with what runs beside it (on a
     shared host, with the other workers' load). Admitting while predictions reach the
@@ -67,10 +70,31 @@ class AttainmentGuard:
     MISS_RATE = 0.02
     STEP = 0.05
     FLOOR = 0.5
+    # What misses took off returns over about this long (``age``), as a learned
+    # correction's pairs age out (``CorrectionSettings.max_age_s``).
+    RECOVERY_S = 30.0
 
     def __init__(self) -> None:
         self.ttft = 1.0
         self.tpot = 1.0
+        self._aged_to_s: float | None = None
+
+    def age(self, now_s: float) -> None:
+        """Let each share return toward 1 by ``exp(-elapsed / RECOVERY_S)`` of what it
+        lacks: misses say how far predictions could be trusted while they were made,
+        not for good. Requests admitted together miss together: live, at the knee of
+        the overload sweep (2 prefill + 2 decode), 11 admitted within a few seconds
+        missed their TTFT within 2.5 s of each other and took the share from 1.0 to its
+        0.5 floor; at 0.001 back per request that met it, it stood at 0.55-0.66 through
+        the whole run at 2x the saturation rate after, which refused prompts predicted
+        past 4.5-5.6 s while every one admitted met its 9.8 s target."""
+        last = self._aged_to_s
+        if last is not None and now_s > last:
+            keep = math.exp(-(now_s - last) / self.RECOVERY_S)
+            self.ttft = 1.0 - (1.0 - self.ttft) * keep
+            self.tpot = 1.0 - (1.0 - self.tpot) * keep
+        if last is None or now_s > last:
+            self._aged_to_s = now_s
 
     def observe(self, outcome: Outcome) -> None:
         """Only a target admission judged the request by (its plan predicted it) moves
@@ -79,6 +103,8 @@ class AttainmentGuard:
         Live, on a loaded host, ``round_robin`` phases missing a 1 s TTFT at p90 cut
         the share, and the ``slo_goodput`` phases after them refused short prompts that
         were served in 60 ms (``test_router_live``)."""
+        if outcome.at_s is not None:
+            self.age(outcome.at_s)
         if outcome.met_ttft is not None and outcome.predicted_ttft_s is not None:
             self.ttft = self._step(self.ttft, not outcome.met_ttft)
         if outcome.met_tpot is not None and outcome.predicted_tpot_s is not None:
@@ -129,6 +155,8 @@ class Admission:
         if not self.settings.enabled:
             return None
         settings = self.settings
+        if settings.adaptive:
+            self.guard.age(now_s)
         batch = profile.priority is Priority.BATCH
         headroom = settings.batch_headroom if batch else settings.headroom
         ttft_headroom, tpot_headroom = headroom * self.guard.ttft, headroom * self.guard.tpot

@@ -4,6 +4,7 @@ learned correction; what will miss is refused at once (never held), ``batch`` fi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import pytest
@@ -298,6 +299,28 @@ def test_admitted_requests_missing_tpot_shrink_its_headroom_until_they_meet_it_a
         r.observe_outcome(10, finished(missed_tpot=False))
     assert r.admission.guard.tpot == 1.0
     assert isinstance(ask(r, "again"), Plan)
+
+
+def test_a_spell_of_misses_is_forgotten_over_the_recovery_time() -> None:
+    """Ten admitted requests missed their TTFT at 100 s: the share is at its 0.5 floor and
+    a plan predicted at 0.85 s is refused against the 1 s target. With no miss since,
+    the share has made up 1 - 1/e of what it lacked one recovery time later (0.82, still
+    refusing), and 0.93 two later, where the same plan is taken."""
+    r = build(FakePredictingPolicy(ttft_s=0.85, tpot_s=0.05))
+    for _ in range(10):
+        r.observe_outcome(10, dataclasses.replace(finished(False, True), at_s=100.0))
+    guard = r.admission.guard
+    assert guard.ttft == pytest.approx(guard.FLOOR)
+
+    def ask_at(rid: str, now_s: float) -> Any:
+        return r.place(RequestProfile(rid, 100, 100, 16, arrival_s=now_s), now_s)
+
+    assert isinstance(ask_at("a", 100.0), Reject)
+    recovery_s = guard.RECOVERY_S
+    assert isinstance(ask_at("b", 100.0 + recovery_s), Reject)
+    assert guard.ttft == pytest.approx(1.0 - 0.5 / math.e)
+    assert isinstance(ask_at("c", 100.0 + 2 * recovery_s), Plan)
+    assert guard.ttft == pytest.approx(1.0 - 0.5 / math.e**2) and guard.tpot == 1.0
 
 
 def test_the_headroom_share_has_a_floor_and_stays_put_when_not_adaptive() -> None:
