@@ -25,7 +25,7 @@ refuse most of a first phase (3 of 8 fixed runs here). With the planner mended (
 with flips to mixed undrained and the correction mended too (``router/correction.py``):
 122-106 and 120-106 (slowdown 4.4-5.7); with admission's prefill speed taken against
 the speed its correction learned at, and its guard forgetting a spell of misses
-(``router/admission.py``): 164-141 (slowdown 4.1).
+(``router/admission.py``): 164-141, 144-137 and 162-142 (slowdown 4.1-4.2).
 
 The scenario is sized for a host that prefills one prefill-heavy prompt in about
 ``loadgen.host_speed.REF_PREFILL_S`` (2 AVX-512 cores). On a slower host (measured
