@@ -165,7 +165,11 @@ class Admission:
         corrected_ttft_s = 0.0
         if plan.predicted_ttft_s is not None:
             model_s = self.corrector.ttft_s(plan.prefill_worker, plan.predicted_ttft_s, now_s)
-            speed_s = self._at_prefill_speed(plan, model_s, prefill_slowdown, now_s)
+            speed_s = self._at_prefill_speed(
+                plan.prefill_worker, plan.predicted_ttft_s, model_s, prefill_slowdown, now_s
+            )
+            if prefill_slowdown.scale > 0.0:  # judged at this speed (priced against the last)
+                self.prefill_speeds.observe(plan.prefill_worker, prefill_slowdown.scale, now_s)
             # The queue ahead as it is now: a request joining it waits about as long as
             # the one at its head has (the model and its correction lag behind a
             # worker that has just slowed down, or a burst that has just arrived).
@@ -205,9 +209,15 @@ class Admission:
         return None
 
     def _at_prefill_speed(
-        self, plan: Plan, corrected_ttft_s: float, speed: Slowdown, now_s: float
+        self,
+        worker: str,
+        predicted_s: float,
+        corrected_s: float,
+        speed: Slowdown,
+        now_s: float,
     ) -> float:
-        """The plan's TTFT at the speed its prefill worker prefills now (0: none known).
+        """A plan's TTFT (``predicted_s`` by the model, ``corrected_s`` as corrected) at
+        the speed its prefill ``worker`` prefills now (0: none known).
 
         Where the worker's TTFT correction has learned, it was learned on plans judged
         at about the speed of lately (``JudgedSpeeds``), so it already prices a worker
@@ -218,14 +228,12 @@ class Admission:
         refusals were on the prefill speed, and every request admitted met its TTFT, at
         4-7.5 s against a 9.8 s target. With nothing learned yet the plan is priced at
         that speed from its own prediction."""
-        worker = plan.prefill_worker
-        if speed.scale <= 0.0 or plan.predicted_ttft_s is None:
+        if speed.scale <= 0.0:
             return 0.0
         reference = self.prefill_speeds.reference(worker)
-        self.prefill_speeds.observe(worker, speed.scale, now_s)
         if reference > 0.0 and self.corrector.ttft_learned(worker, now_s):
-            return corrected_ttft_s * max(1.0, speed.scale / reference) + speed.wait_s
-        return speed.price(plan.predicted_ttft_s)
+            return corrected_s * max(1.0, speed.scale / reference) + speed.wait_s
+        return speed.price(predicted_s)
 
     def _refuse(self, reason: str, wait_s: float) -> Reject:
         return Reject(reason, retry_after_s=max(self.settings.min_retry_after_s, wait_s))
