@@ -381,7 +381,7 @@ class SimCluster:
             if flip is not None:
                 worker = self._by_id[flip.worker_id]
                 self._flipping = (worker, flip.target)
-                if not flip.target.does_all_of(flip.source):  # to mixed: no drain
+                if not flip.target.does_all_of(flip.source):  # to mixed needs no drain
                     worker.draining = True
                     worker.mark_dirty()
                 self._maybe_flip(worker, now_s)

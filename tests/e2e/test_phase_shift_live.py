@@ -21,8 +21,8 @@ until ``LengthClassifier.present_request_shares`` let a class that stopped comin
 (which needs every arrival observed, ``Router.arrive``: see ``test_router_live.py``).
 Later it tied or lost in CI (126-126, 114-114, 98-99): in the last the pool went back
 to 1+1 inside a prefill-heavy phase, and a fresh cluster's outcome correction could
-refuse most of a first phase (3 of 8 fixed runs here). With the planner mended (``router/planner.py``): 134-112 and 128-113;
-with flips to mixed undrained and the correction mended too (``router/correction.py``):
+refuse most of a first phase (3 of 8 fixed runs here). With the planner mended
+(``router/planner.py``): 134-112 and 128-113; with flips to mixed undrained and the correction mended too (``router/correction.py``):
 122-106 and 120-106 (slowdown 4.4-5.7); with admission's prefill speed taken against
 the speed its correction learned at, and its guard forgetting a spell of misses
 (``router/admission.py``): 164-141, 144-137 and 162-142 (slowdown 4.1-4.2).
