@@ -11,7 +11,8 @@ Modules, one idea each:
 * ``front_door``: ``Router`` and its frozen ``RouterSettings``;
 * ``policy`` / ``policies``: the registry and ``round_robin``, ``least_loaded``,
   ``prefix_aware``, ``slo_goodput`` (the default);
-* ``cost_model``: profile JSON format, prefill/decode/transfer curves refitted online;
+* ``profile``: a worker's measured speeds, the seed of its cost model, and their JSON;
+* ``cost_model``: prefill/decode/transfer curves refitted online from step telemetry;
 * ``estimator``: the past-future KV peak estimator and the engine's admission rule;
 * ``length``: effective prefill length, short/long classes, per-class queue waits;
 * ``worker_table`` / ``running_sets`` / ``prefix_index``: per-snapshot caches behind

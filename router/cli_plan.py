@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from router.cost_model import DEFAULT_PROFILE, load_profile
 from router.pool_sizing import WorkloadStats, plan_pools
+from router.profile import DEFAULT_PROFILE, load_profile
 from router.types import SLO
 
 __all__ = ["add_arguments", "run"]

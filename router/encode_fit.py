@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from router.cost_model import EncodeCoeffs
+from router.profile import EncodeCoeffs
 from router.types import RequestProfile, Role, split_images
 
 if TYPE_CHECKING:

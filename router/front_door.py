@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from router import live_speed
 from router.admission import Admission
 from router.correction import Outcome, OutcomeCorrector
-from router.cost_model import TransferCoeffs
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import Links
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
+from router.profile import TransferCoeffs
 from router.refusals import RefusalMeter
 from router.reservations import Reservations, worker_view
 from router.settings import RouterSettings

@@ -35,7 +35,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from router.cost_model import CostModel, QuadCoeffs, prefill_knee_tokens
+from router.cost_model import CostModel, prefill_knee_tokens
+from router.profile import QuadCoeffs
 from router.types import LengthClass, RequestProfile, Role, WorkerView
 
 __all__ = [

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from router.cost_model import TransferCoeffs
+from router.profile import TransferCoeffs
 
 __all__ = ["LinkFit", "Links"]
 

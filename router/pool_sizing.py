@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from router.cost_model import CostModel, Profile
+from router.cost_model import CostModel
+from router.profile import Profile
 from router.types import SLO
 
 __all__ = ["PoolPlan", "WorkloadStats", "plan_pools", "size_pools"]

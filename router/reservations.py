@@ -21,8 +21,8 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from router.cost_model import TransferCoeffs
 from router.length import effective_prefill_tokens
+from router.profile import TransferCoeffs
 from router.types import (
     LengthClass,
     Plan,

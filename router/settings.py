@@ -14,8 +14,8 @@ from typing import Any
 
 from router.admission import AdmissionSettings
 from router.correction import CorrectionSettings
-from router.cost_model import DEFAULT_PROFILE, Profile, load_profile
 from router.length import LengthClassifier
+from router.profile import DEFAULT_PROFILE, Profile, load_profile
 from router.types import SLO, Role
 
 __all__ = ["RouterSettings"]

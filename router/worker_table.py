@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.cost_model import CostModel, Profile, QuadCoeffs
+from router.cost_model import CostModel
 from router.estimator import PeakTable, remaining_tokens
 from router.length import LongPool, SplitMode, prefill_curve, queue_wait_s
 from router.prefix_index import PrefixIndex
+from router.profile import Profile, QuadCoeffs
 from router.running_sets import RunningEntry, RunningSets
 from router.types import ClusterView, LengthClass, Role, StepSample, WorkerView
 

@@ -1,9 +1,9 @@
-"""Profiles for the simulator: the router's ``Profile`` (router/cost_model.py), found by name.
+"""Profiles for the simulator: the router's ``Profile`` (router/profile.py), found by name.
 
 ``load_profile(None)`` loads the shipped ``tiny-cpu.json``; a bare name such as
 ``llama3-8b-h100`` loads ``loadgen/profiles/<name>.json``; anything else is a
 path. The JSON format and the meaning of each coefficient are documented in
-``router.cost_model``. A batched prefill of several prompts is costed by the
+``router.profile``. A batched prefill of several prompts is costed by the
 simulator as ``a + Σ(b·n_i + c·n_i²)`` (attention is quadratic per sequence,
 the rest linear in the total).
 """
@@ -14,7 +14,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from router.cost_model import Profile, QuadCoeffs, TransferCoeffs
+from router.profile import Profile, QuadCoeffs, TransferCoeffs
 
 __all__ = ["DEFAULT_PROFILE", "Profile", "QuadCoeffs", "TransferCoeffs", "load_profile"]
 

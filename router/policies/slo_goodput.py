@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from router.cost_model import DEFAULT_PROFILE, CostModel, Profile, load_profile
+from router.cost_model import CostModel
 from router.encode_fit import EncodeFit, price_encode, remote_for
 from router.estimator import sample_output_lengths_of_one, sorted_history
 from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
@@ -80,6 +80,7 @@ from router.policies.slo_checks import (
     refusal,
 )
 from router.policy import register_policy
+from router.profile import DEFAULT_PROFILE, Profile, load_profile
 from router.types import (
     SLO,
     ClusterView,

@@ -15,7 +15,7 @@ import pytest
 from loadgen.arrivals import RateSpec
 from loadgen.sim import SimConfig, simulate_specs
 from loadgen.workload import RequestSpec
-from router.cost_model import EncodeCoeffs
+from router.profile import EncodeCoeffs
 from tests.unit.loadgen.test_sim import PROFILE as TEXT_PROFILE
 
 PROFILE = replace(TEXT_PROFILE, encode=EncodeCoeffs(a=0.02, b=0.001))

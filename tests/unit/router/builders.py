@@ -6,8 +6,8 @@ import math
 from typing import Any
 
 from router import make_policy
-from router.cost_model import EncodeCoeffs, Profile, QuadCoeffs, TransferCoeffs
 from router.policies import SloGoodput
+from router.profile import EncodeCoeffs, Profile, QuadCoeffs, TransferCoeffs
 from router.types import (
     SLO,
     ClusterView,

@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from router.cost_model import (
-    DEFAULT_PROFILE,
-    CostModel,
-    Prediction,
-    Profile,
-    QuadCoeffs,
-    load_profile,
-    prefill_knee_tokens,
-    save_profile,
-)
+from router.cost_model import CostModel, Prediction, prefill_knee_tokens
+from router.profile import DEFAULT_PROFILE, Profile, QuadCoeffs, load_profile, save_profile
 from router.types import StepSample
 
 TRUE_PREFILL = QuadCoeffs(a=0.02, b=2.0e-4, c=3.0e-8)

@@ -16,10 +16,11 @@ import random
 import numpy as np
 import pytest
 
-from router.cost_model import DEFAULT_PROFILE, CostModel
+from router.cost_model import CostModel
 from router.estimator import PeakTable, remaining_tokens
 from router.front_door import Router, RouterSettings
 from router.length import SplitMode
+from router.profile import DEFAULT_PROFILE
 from router.running_sets import RunningEntry, new_entry, remaining_tokens_of_one
 from router.types import Plan, RequestProfile, Role, RunningRequest, WorkerView
 from router.worker_table import TableSettings, WorkerTable

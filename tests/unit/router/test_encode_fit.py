@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_model import EncodeCoeffs
 from router.encode_fit import EncodeFit
+from router.profile import EncodeCoeffs
 
 
 def test_distinct_sizes_give_the_least_squares_line() -> None:

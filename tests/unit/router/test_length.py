@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from router.cost_model import QuadCoeffs
 from router.length import (
     LengthClassifier,
     LongPool,
@@ -15,6 +14,7 @@ from router.length import (
     long_pool_size,
     queue_wait_s,
 )
+from router.profile import QuadCoeffs
 from router.types import LengthClass, RequestProfile, Role
 
 FLAT_THEN_LINEAR = QuadCoeffs(a=0.02, b=1e-4, c=0.0)  # knee at 200 tokens

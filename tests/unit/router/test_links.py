@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_model import TransferCoeffs
 from router.links import LinkFit, Links
+from router.profile import TransferCoeffs
 
 SEED = TransferCoeffs(bandwidth_bytes_per_s=1e9, latency_s=0.001)
 

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from router import cli_plan
-from router.cost_model import save_profile
 from router.planner import Flip, RatioPlanner, RolePressure
 from router.pool_sizing import WorkloadStats, plan_pools, size_pools
+from router.profile import save_profile
 from router.types import SLO
 from tests.unit.router.builders import PROFILE
 

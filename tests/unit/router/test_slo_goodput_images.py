@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router.cost_model import save_profile
 from router.policies.slo_goodput import SloGoodput
+from router.profile import save_profile
 from router.types import Role
 from tests.unit.router.builders import PROFILE, plan_of, policy, prefill_s, request, view, worker
 

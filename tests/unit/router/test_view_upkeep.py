@@ -18,10 +18,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from router.cost_model import DEFAULT_PROFILE, CostModel, _features, _solve_non_negative
+from router.cost_model import CostModel, _features, _solve_non_negative
 from router.estimator import OutputLengthHistory, sample_output_lengths
 from router.front_door import Router, RouterSettings
 from router.policies.slo_goodput import SloGoodput
+from router.profile import DEFAULT_PROFILE
 from router.types import LengthClass, Plan, RequestProfile, Role, RunningRequest, StepSample
 from services.workers.messages import WorkerSnapshot
 
