@@ -79,16 +79,21 @@ def test_the_sweep_stops_at_its_run_limit() -> None:
 
 class FakeServer:
     """``run_bench`` for ``run_overload``: serves ``min(rate, capacity)`` good requests
-    per second, but a cold one (its first run) only ``cold_share`` of them."""
+    per second, but a cold one (its first run) only ``cold_share`` of them, and the first
+    run at a rate in ``lucky`` that many times them."""
 
-    def __init__(self, capacity: float, cold_share: float = 0.5) -> None:
+    def __init__(
+        self, capacity: float, cold_share: float = 0.5, lucky: dict[float, float] | None = None
+    ) -> None:
         self.capacity = capacity
         self.cold_share = cold_share
+        self.lucky = dict(lucky or {})
         self.rates: list[float] = []
 
     def __call__(self, bench: BenchConfig) -> BenchResult:
         rate, window_s = bench.rate.start_rps, bench.workload.duration_s
         good = min(rate, self.capacity) * (self.cold_share if not self.rates else 1.0)
+        good *= self.lucky.pop(rate, 1.0)
         self.rates.append(rate)
         records = [
             RequestRecord(f"r{i}", True, i / good, ttft_s=0.1, e2el_s=0.2, output_tokens=1)
@@ -115,9 +120,26 @@ def test_a_warm_up_run_keeps_a_cold_server_out_of_the_sweep(
     result = overload.run_overload(config)
     if not warm_up_rate:  # cold, the first run looks past saturation and ends the sweep
         assert [row["rate"] for row in result["sweep"]] == [1.0]
-        assert result["peak_goodput"] == pytest.approx(0.5)
+        # its one run, then the same rate warm: the peak is their mean
+        assert result["peak_goodput"] == pytest.approx((0.5 + 1.0) / 2)
         return
     assert server.rates[0] == warm_up_rate  # the warm-up ran first, and is not counted
     assert [row["rate"] for row in result["sweep"]] == [1.0, 1.5, 2.25, 3.375, 5.0625]
     assert result["peak_goodput"] == pytest.approx(3.0)
     assert result["saturation_rate"] == pytest.approx(2.25)  # 3.375 kept only 89%
+
+
+def test_the_peak_is_the_best_run_and_a_second_run_at_its_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run that read high by chance is not the peak the overloaded runs are held to."""
+    server = FakeServer(capacity=3.0, cold_share=1.0, lucky={5.0625: 1.2})
+    monkeypatch.setattr(overload, "run_bench", server)
+    config = OverloadConfig(
+        "http://fake", WorkloadConfig(), GoodputSLO(ttft_ms=1000), duration_s=10.0, settle_s=0.0
+    )
+    result = overload.run_overload(config)
+    assert [row["rate"] for row in result["sweep"]] == [1.0, 1.5, 2.25, 3.375, 5.0625, 7.59375]
+    assert result["peak"]["rate"] == 5.0625  # the lucky run's rate, run again
+    assert result["peak_goodput"] == pytest.approx((3.6 + 3.0) / 2)
+    assert [row["of_peak"] for row in result["over"]] == pytest.approx([3.0 / 3.3] * 2)
