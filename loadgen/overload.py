@@ -150,12 +150,13 @@ def peak_goodput(best: dict[str, Any], again: dict[str, Any]) -> float:
     and of ``again``, a second run at its rate.
 
     Not the best run alone: one window's goodput swings from run to run (with the
-    host's speed, and with which of its arrivals admission took), and the best of the several runs a sweep makes
-    near its knee is the one that swung highest. Live on 2 AVX2 cores, over three
-    sweeps, the runs at and past the knee read 2.87-3.73 req/s and the runs at 2x and
-    3x of the saturation rate 2.90-3.63; one sweep's best, 3.73, put its 3x run (3.07)
-    at 0.82 of it. A second run at the best run's rate halves that draw's pull, and
-    measures the peak at one rate, not mixed with a slower run's."""
+    host's speed, and with which of its arrivals admission took), and the best of the
+    several runs a sweep makes near its knee is the one that swung highest. Live on 2
+    AVX2 cores (2 prefill + 2 decode, 30 s windows), the best run and its second run
+    read 2.97 and 2.53 req/s in one sweep, 3.77 and 2.50 in another; one sweep's best
+    alone, 3.73, put its 3x run (3.07) at 0.82 of it. A second run at the best run's
+    rate halves that draw's pull, and measures the peak at one rate, not mixed with a
+    slower run's."""
     return (float(best["window_goodput"]) + float(again["window_goodput"])) / 2.0
 
 
