@@ -11,6 +11,10 @@ before anything is reserved or queued, when
   plan's TTFT at the speed that worker's recent prefills ran against its cost model
   while prompts wait there: once its correction has learned, only as far as that speed
   is slower than the one the correction learned at), or
+* its corrected TTFT would bring the end of the engine step its prompt joins past the
+  first-token deadline of a prompt already waiting for that step
+  (``Router.place`` passes the earliest: ``router.live_speed.shared_step_deadline_s``),
+  or
 * its decode worker would step slower than ``headroom × TPOT target``: while it runs
   requests, by its corrected prediction or by its recent steps as they are; and,
   while it runs or has requests placed there, by the plan's step (what is reserved
@@ -145,13 +149,17 @@ class Admission:
         step_s: float = 0.0,
         slowdown: Slowdown = NO_SLOWDOWN,
         prefill_slowdown: Slowdown = NO_SLOWDOWN,
+        step_deadline_s: float = math.inf,
     ) -> Reject | None:
         """None: admit ``plan``; else why not. ``waited_s``: how long the oldest request
         placed on the plan's prefill worker has waited for its first token so far;
         ``step_s``: the decode worker's recent step time while it runs requests;
         ``slowdown``: how much slower than modelled those steps ran (``Slowdown``);
         ``prefill_slowdown``: the same of the prefill worker's recent prefills while
-        prompts wait there."""
+        prompts wait there; ``step_deadline_s``: the earliest first-token deadline
+        (``ttft_deadline_s``) of the prompts the request's prompt would share an engine
+        step with (``router.live_speed.shared_step_deadline_s``), which its corrected
+        TTFT must not pass."""
         if not self.settings.enabled:
             return None
         settings = self.settings
@@ -188,6 +196,8 @@ class Admission:
                 and elapsed_s + corrected_ttft_s > ttft_headroom * ttft_target_s
             ):
                 return self._refuse(f"predicted ttft miss ({bound})", corrected_ttft_s)
+            if now_s + corrected_ttft_s > step_deadline_s:
+                return self._refuse("predicted ttft miss (shared step)", corrected_ttft_s)
         if plan.predicted_tpot_s is not None and tpot_target_s is not None:
             decode = plan.decode_worker or plan.prefill_worker
             corrected_tpot_s = plan.predicted_tpot_s
@@ -207,6 +217,17 @@ class Admission:
             if corrected_tpot_s > tpot_headroom * tpot_target_s:
                 return self._refuse("predicted tpot miss", corrected_ttft_s)
         return None
+
+    def ttft_deadline_s(self, profile: RequestProfile, default_slo: SLO) -> float:
+        """When the request's first token is due as admission judges it (router
+        clock): its arrival plus its priority's headroom times its TTFT target; inf with
+        no target or admission off."""
+        target_s = profile.slo.ttft_s or default_slo.ttft_s
+        if target_s is None or not self.settings.enabled:
+            return math.inf
+        batch = profile.priority is Priority.BATCH
+        headroom = self.settings.batch_headroom if batch else self.settings.headroom
+        return profile.arrival_s + headroom * target_s
 
     def _at_prefill_speed(
         self,

@@ -245,6 +245,11 @@ class Router:
                 self.recent_step_s(decode),
                 self.recent_slowdown(decode),
                 self.recent_slowdown(decision.prefill_worker, prefill=True),
+                live_speed.shared_step_deadline_s(
+                    self._report(decision.prefill_worker),
+                    self._reservations,
+                    decision.prefill_worker,
+                ),
             )
             if refusal is not None:
                 self._observed.discard(profile.request_id)
@@ -379,7 +384,16 @@ class Router:
         """Hold what ``plan`` will take on its workers until ``release`` (``place`` does
         this for its plans, at ``placed_s``; for a plan made elsewhere, e.g. an operator
         pinning)."""
-        for wid in self._reservations.add(profile, plan, self.classifier.classify, placed_s):
+        report = self._report(plan.prefill_worker)
+        changed = self._reservations.add(
+            profile,
+            plan,
+            self.classifier.classify,
+            placed_s,
+            None if report is None else report.seq,
+            self.admission.ttft_deadline_s(profile, self.settings.default_slo),
+        )
+        for wid in changed:
             self._invalidate(wid)
 
     def _invalidate(self, worker_id: str) -> None:

@@ -52,6 +52,12 @@ class Reservation:
     running: RunningRequest | None = None
     # Set at the first event of the worker it runs on: that worker's report seq then.
     started_seq: int | None = None
+    # The prefill worker's last report seq when it was placed: placed since that
+    # report, its prompt waits for the engine step after the one running there.
+    placed_seq: int | None = None
+    # When its first token is due (router clock; inf: no TTFT target): what a prompt
+    # placed after it into the same engine step must not push it past.
+    deadline_s: float = math.inf
 
 
 class Reservations:
@@ -73,9 +79,12 @@ class Reservations:
         plan: Plan,
         classify: Callable[[int], LengthClass],
         placed_s: float | None,
+        placed_seq: int | None = None,
+        deadline_s: float = math.inf,
     ) -> tuple[str, ...]:
         """Reserve ``plan`` for ``profile`` (in place of any earlier reservation of the
-        request); returns the workers whose view it changes."""
+        request); returns the workers whose view it changes. ``placed_seq``: the prefill
+        worker's last report seq now; ``deadline_s``: when its first token is due."""
         rid = profile.request_id
         dropped = self.drop(rid)
         tokens = effective_prefill_tokens(profile)
@@ -90,6 +99,8 @@ class Reservations:
             placed_s,
             profile.num_image_tokens,
             _encode_tokens(plan, profile),
+            placed_seq=placed_seq,
+            deadline_s=deadline_s,
         )
         for wid in touched:
             self._by_worker.setdefault(wid, {})[rid] = None

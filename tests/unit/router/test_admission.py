@@ -127,6 +127,34 @@ def test_a_queue_that_has_kept_its_head_waiting_refuses_before_the_model_learns_
     assert isinstance(r.place(RequestProfile("new2", 100, 100, 16, arrival_s=1.2), 1.2), Plan)
 
 
+def test_a_prompt_that_would_make_those_waiting_for_its_step_late_is_refused() -> None:
+    """An engine step takes every waiting prompt up to its token budget, and each one's
+    first token comes as the step ends. ``first``, placed on p after p's last report,
+    waits for p's next step, due by 1 s; a newcomer at 0.6 s, predicted 0.6 s (the
+    queue's head has waited that long), would meet its own target but end that step at
+    1.2 s. Once p reports again (its step with ``first`` is running), or where
+    ``first`` alone fills the step's budget, the newcomer waits for a later step and
+    makes no one late."""
+
+    def router(budget: int) -> Router:
+        r = build(FakePredictingPolicy(ttft_s=0.5))
+        snap = snapshot("p", Role.PREFILL, 2)
+        r.update(dataclasses.replace(snap, prefill_budget_tokens=budget))
+        assert isinstance(r.place(RequestProfile("first", 100, 100, 16, arrival_s=0.0), 0.0), Plan)
+        return r
+
+    def newcomer(r: Router, rid: str) -> Any:
+        return r.place(RequestProfile(rid, 100, 100, 16, arrival_s=0.6), 0.6)
+
+    r = router(budget=2048)
+    late = newcomer(r, "new")
+    assert isinstance(late, Reject) and late.reason == "predicted ttft miss (shared step)"
+    snap = snapshot("p", Role.PREFILL, 3)
+    r.update(dataclasses.replace(snap, prefill_budget_tokens=2048))
+    assert isinstance(newcomer(r, "new2"), Plan)
+    assert isinstance(newcomer(router(budget=100), "new3"), Plan)
+
+
 def test_a_worker_refused_while_it_was_slow_is_tried_again_once_that_has_aged_out() -> None:
     """Refusing everything, a worker teaches nothing new: what it taught while slow must
     not keep it refused for good (a live 2 prefill + 2 decode cluster refused every
