@@ -2,7 +2,7 @@
 saturation rate, then offered 2x and 3x that rate (loadgen/overload.py).
 
     python benchmarks/overload.py [--model medium|small|tiny|DIR] [--policy slo_goodput]
-        [--rates auto|4,8,12,16] [--start-rate 1] [--duration 20] [--over-duration S]
+        [--rates auto|4,8,12,16] [--start-rate 1] [--duration 30] [--over-duration S]
         [--warm-up-rate 1] [--warm-up-s 10] [--slo-scale auto] [--rebalance]
 
 One JSON object per line: each run's row, then a summary with each factor's goodput as
@@ -136,7 +136,7 @@ def main() -> None:
     p.add_argument("--policy", default="slo_goodput")
     p.add_argument("--rates", default="auto", help="sweep, requests/s; auto: climb to the knee")
     p.add_argument("--start-rate", type=float, default=1.0, help="auto: first rate, requests/s")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     p.add_argument(
         "--over-duration",
         type=float,
@@ -156,7 +156,11 @@ def main() -> None:
     )
     p.add_argument("--rebalance", action="store_true", help="let the ratio planner flip roles")
     p.add_argument(
-        "--max-hold", type=float, default=5.0, help="router.max_hold_s (0: refuse at once)"
+        "--max-hold",
+        type=float,
+        default=0.0,
+        help="router.max_hold_s (0, the default: refuse at once; a held request that finds "
+        "no room is refused when its hold runs out, up to 1.8 s on 2 AVX-512 cores at 5 s)",
     )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="baton-overload-") as tmp:
