@@ -165,8 +165,7 @@ class Admission:
         settings = self.settings
         if settings.adaptive:
             self.guard.age(now_s)
-        batch = profile.priority is Priority.BATCH
-        headroom = settings.batch_headroom if batch else settings.headroom
+        headroom = self._headroom(profile)
         ttft_headroom, tpot_headroom = headroom * self.guard.ttft, headroom * self.guard.tpot
         ttft_target_s = profile.slo.ttft_s or default_slo.ttft_s
         tpot_target_s = profile.slo.tpot_s or default_slo.tpot_s
@@ -225,9 +224,12 @@ class Admission:
         target_s = profile.slo.ttft_s or default_slo.ttft_s
         if target_s is None or not self.settings.enabled:
             return math.inf
-        batch = profile.priority is Priority.BATCH
-        headroom = self.settings.batch_headroom if batch else self.settings.headroom
-        return profile.arrival_s + headroom * target_s
+        return profile.arrival_s + self._headroom(profile) * target_s
+
+    def _headroom(self, profile: RequestProfile) -> float:
+        """The share of each target the request's priority may use (before the guard)."""
+        s = self.settings
+        return s.batch_headroom if profile.priority is Priority.BATCH else s.headroom
 
     def _at_prefill_speed(
         self,
