@@ -72,8 +72,16 @@ def serve_config(
 ) -> dict[str, object]:
     return {
         "engine": {"device": "cpu", "num_threads": 1, "kv_cache_bytes": 64 * 2**20},
-        # The engines yield the CPU to the gateway (and the client) they share it with.
-        "workers": {"mode": "disaggregated", "prefill": 2, "decode": 2, "nice": 10},
+        # The engines yield the CPU to the gateway (and the client) they share it with,
+        # and decode engines yield it to prefill ones: a slow prefill step makes every
+        # prompt in it late at once (``workers.prefill_nice``).
+        "workers": {
+            "mode": "disaggregated",
+            "prefill": 2,
+            "decode": 2,
+            "nice": 10,
+            "prefill_nice": 5,
+        },
         "kvtransfer": {"backend": "nixl"},
         "router": {
             "policy": policy,

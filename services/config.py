@@ -97,6 +97,14 @@ class WorkersConfig(_Section):
         description="added to each worker's nice value (its engine threads): on a CPU host "
         "shared with the gateway, admission keeps answering quickly while engines run flat out",
     )
+    prefill_nice: int | None = Field(
+        None,
+        ge=0,
+        le=19,
+        description="the same for prefill and encode engines (None: nice); below nice, a "
+        "prompt's prefill step keeps its speed when decode batches share its cores (a role "
+        "flip moves the engine to its new role's value; lowering it needs CAP_SYS_NICE)",
+    )
 
     @model_validator(mode="after")
     def _has_workers(self) -> WorkersConfig:

@@ -63,6 +63,7 @@ def worker_specs(
             # An encoder on another engine than the text workers' can serve no text role.
             fixed_role=role is Role.ENCODE and encoder is not engine_factory,
             nice=w.nice,
+            prefill_nice=w.prefill_nice,
             telemetry_interval_s=w.telemetry_interval_s,
             max_num_seqs=config.engine.max_num_seqs,
             num_gpus=gpus_per_worker(config, role, cluster_has_gpus=cluster_has_gpus),

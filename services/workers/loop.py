@@ -26,7 +26,6 @@ images.py, and when to publish a snapshot in telemetry.py.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -56,6 +55,7 @@ from services.workers.messages import (
     WorkerEvent,
     WorkerSnapshot,
 )
+from services.workers.priority import RolePriority
 from services.workers.telemetry import SnapshotPublisher
 from services.workers.transfers import KVTransfers
 
@@ -103,9 +103,14 @@ class EngineLoop:
         telemetry_interval_s: float,
         max_num_seqs: int = 256,
         nice: int = 0,
+        prefill_nice: int | None = None,
     ) -> None:
         self._worker_id = worker_id
-        self._nice = nice
+        self._role_state = role_state
+        # None: prefill engines run at the same nice value as the others.
+        self._priority = RolePriority(
+            worker_id, nice, nice if prefill_nice is None else prefill_nice
+        )
         self._engine = engine
         self._connector = connector
         self._on_events = on_events
@@ -173,12 +178,9 @@ class EngineLoop:
 
     # -- the loop ------------------------------------------------------------------
     def _run(self) -> None:
-        if self._nice:
-            # Linux: this thread's nice value (and that of threads it starts), not the
-            # process's: the worker's transport, which answers the gateway, keeps its own.
-            os.nice(self._nice)
         while not self._stopping.is_set():
             self._beat_s = time.monotonic()
+            self._priority.follow(self._role_state()[0])
             try:
                 self._apply_commands()
                 self._progress_transfers()

@@ -76,6 +76,8 @@ class WorkerSpec:
     # another engine than the text workers', as beside vLLM).
     fixed_role: bool = False
     nice: int = 0  # added to the nice value of the engine's threads (workers.nice)
+    # The same for prefill and encode engines (workers.prefill_nice; None: ``nice``).
+    prefill_nice: int | None = None
 
 
 class Worker:
@@ -109,6 +111,7 @@ class Worker:
             telemetry_interval_s=spec.telemetry_interval_s,
             max_num_seqs=spec.max_num_seqs,
             nice=spec.nice,
+            prefill_nice=spec.prefill_nice,
         )
         self._loop.start()
 

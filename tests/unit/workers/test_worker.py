@@ -229,3 +229,57 @@ async def test_nice_lowers_the_engine_threads_priority_only(worker) -> None:  # 
     assert os.getpriority(os.PRIO_PROCESS, 0) == own
     events = [e async for e in niced.generate(Generate(request("n", max_tokens=3)))]
     assert events[-1].finish_reason is FinishReason.LENGTH  # and it serves
+
+
+def _may_lower_nice() -> bool:
+    """Whether a thread here may lower its nice value (root, CAP_SYS_NICE or RLIMIT_NICE)."""
+    import os
+    import threading
+
+    allowed: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        start = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, start + 1))
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, start)
+            allowed.append(True)
+        except PermissionError:
+            allowed.append(False)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return allowed[0]
+
+
+async def test_prefill_engines_run_at_prefill_nice_and_a_role_flip_moves_the_thread(worker) -> None:  # type: ignore[no-untyped-def]
+    """``workers.prefill_nice``: a prefill engine's thread runs at it, a decode or mixed
+    one at ``workers.nice``, and a role flip re-nices the thread to its new role's value.
+    Lowering a nice value needs privilege: without it the thread keeps the value it has."""
+    import os
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    w = worker(role=Role.PREFILL, nice=6, prefill_nice=2)
+    await asyncio.sleep(0.05)  # the loop has started
+    tid = w._loop._thread.native_id
+
+    async def nice_settles_at(expected: int) -> int:
+        for _ in range(100):
+            if os.getpriority(os.PRIO_PROCESS, tid) == expected:
+                break
+            await asyncio.sleep(0.01)
+        return os.getpriority(os.PRIO_PROCESS, tid)
+
+    assert await nice_settles_at(own + 2) == own + 2
+    assert await asyncio.wait_for(w.set_role(Role.DECODE), 1.0) is Role.DECODE
+    assert await nice_settles_at(own + 6) == own + 6
+    assert await asyncio.wait_for(w.set_role(Role.MIXED), 1.0) is Role.MIXED
+    assert await nice_settles_at(own + 6) == own + 6
+    assert await asyncio.wait_for(w.set_role(Role.PREFILL), 1.0) is Role.PREFILL
+    back = own + 2 if _may_lower_nice() else own + 6
+    assert await nice_settles_at(back) == back
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own  # the worker's own thread is untouched
+    events = [e async for e in w.generate(Generate(request("p", max_tokens=1)))]
+    assert events[-1].finish_reason is FinishReason.LENGTH  # and it serves
