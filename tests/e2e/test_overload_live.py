@@ -1,0 +1,66 @@
+"""Goodput past saturation, live: ``baton serve`` with 2 prefill + 2 decode workers (Ray
+actors, a random 53M-parameter Llama, ``slo_goodput``, the rebalancer off), swept over
+open-loop rates to find where it saturates, then offered 2x and 3x that rate, all in
+this test. It runs ``benchmarks/overload.py``'s ``measure`` as ``make bench-overload``
+does: the same server, workload, SLO (scaled to the host's speed) and sweep.
+
+Each run's goodput is the requests sent in its window that met the SLO per second
+(``loadgen.overload.window_goodput``). Past saturation the router must refuse what it
+cannot serve, so the admitted requests keep their targets: goodput stays within 90% of
+the sweep's peak, every refusal is a 429 answered within 50 ms, and nothing fails
+otherwise. The router refuses at once (``max_hold_s: 0``): a held request that finds no
+room is refused when its hold runs out, up to 1.8 s later on 2 AVX-512 cores.
+
+Measured on 2 AVX-512 cores (saturation 7.6 req/s, peak 9.2-9.6 good req/s), 2x held
+0.93-1.05 of peak and 3x 0.96-1.08 over seven runs, refusals 12-24 ms. On a slower
+host (stood in for with a CPU quota of 0.6 core, saturation 2.25 req/s) prefill steps
+slowed 2-4x from one step to the next while decode batches took the shared cores, and
+the prompts admitted into a slow step missed together; prefill engines now run at a
+lower nice value than decode ones (``workers.prefill_nice``), and the stand-in read
+1.03 of peak at 2x and 0.86 at 3x in its last run (its quota also slows the client's
+and the gateway's HTTP work, which a host with slower arithmetic does not)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from loadgen.scripts import load_script
+from loadgen.server_proc import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def test_goodput_at_2x_and_3x_saturation_holds_90_percent_of_peak_with_quick_refusals(
+    tmp_path: Path,
+) -> None:
+    bench = load_script(ROOT / "benchmarks" / "overload.py", "bench_overload")
+    args = argparse.Namespace(
+        model="medium",
+        policy="slo_goodput",
+        rates="auto",
+        start_rate=1.0,
+        duration=30.0,
+        over_duration=None,
+        warm_up_rate=1.0,
+        warm_up_s=10.0,
+        slo_scale="auto",
+        rebalance=False,
+        max_hold=0.0,
+    )
+    result = bench.measure(args, tmp_path)
+
+    sweep, peak = result["sweep"], result["peak_goodput"]
+    assert sweep[0]["slo_attainment"] >= 0.95, sweep[0]  # the lowest rate is served
+    assert sweep[-1]["window_goodput"] < 0.9 * sweep[-1]["rate"], sweep  # past saturation
+    assert [row["factor"] for row in result["over"]] == [2.0, 3.0]
+    for row in result["over"]:
+        assert row["rejected"] > 0, row  # overloaded, and it refuses
+        # Every failure is a refusal (429), or the 400 of a prompt past the model's length
+        # (the lognormal prompts' tail reaches it now and then at these rates).
+        too_long = sum(n for e, n in row["errors"].items() if "maximum context length" in e)
+        assert row["failed"] == row["rejected"] + too_long, row
+        assert row["of_peak"] >= 0.9, (peak, result["saturation_rate"], row)
+        assert row["max_rejection_ms"] < 50.0, row
