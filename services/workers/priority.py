@@ -12,7 +12,8 @@ runs a worker's ops on it with ``engine.num_threads: 1``), and the worker's
 transport threads, which answer the gateway, keep theirs. A role flip moves the
 thread to its new role's value. Raising a nice value is always allowed; lowering it
 needs ``CAP_SYS_NICE`` (or a ``RLIMIT_NICE`` that allows it): where that is refused
-the thread keeps the value it has, and the refusal is logged once per worker.
+(or the platform keeps no per-thread value) the thread keeps the value it has, and the
+refusal is logged once per worker; the loop goes on.
 """
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ class RolePriority:
         target = min(19, self._base + offset)
         try:
             os.setpriority(os.PRIO_PROCESS, self._thread_id, target)
-        except PermissionError:
+        except OSError as e:  # lowering without CAP_SYS_NICE; a platform without thread ids
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "worker %s: cannot lower its engine thread's nice value to %d for the "
-                    "%s role (needs CAP_SYS_NICE); it stays at %d",
+                    "worker %s: cannot set its engine thread's nice value to %d for the %s "
+                    "role (%s; lowering it needs CAP_SYS_NICE); it keeps the one it has",
                     self._worker_id,
                     target,
                     role.value,
-                    os.getpriority(os.PRIO_PROCESS, self._thread_id),
+                    e,
                 )
