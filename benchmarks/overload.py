@@ -138,7 +138,8 @@ def scaled_slo(scale: str, work: Path) -> GoodputSLO:
     return SLO.scaled(factor)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (``tests/e2e/test_overload_live.py`` parses its own)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="medium", help="medium, small, tiny, or a local model folder")
     p.add_argument("--policy", default="slo_goodput")
@@ -170,7 +171,11 @@ def main() -> None:
         help="router.max_hold_s (0, the default: refuse at once; a held request that finds "
         "no room is refused when its hold runs out, up to 1.8 s on 2 AVX-512 cores at 5 s)",
     )
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     with tempfile.TemporaryDirectory(prefix="baton-overload-") as tmp:
         result = measure(args, Path(tmp))
     over = result["over"]

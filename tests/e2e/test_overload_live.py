@@ -22,7 +22,6 @@ and the gateway's HTTP work, which a host with slower arithmetic does not)."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
@@ -37,19 +36,9 @@ def test_goodput_at_2x_and_3x_saturation_holds_90_percent_of_peak_with_quick_ref
     tmp_path: Path,
 ) -> None:
     bench = load_script(ROOT / "benchmarks" / "overload.py", "bench_overload")
-    args = argparse.Namespace(
-        model="medium",
-        policy="slo_goodput",
-        rates="auto",
-        start_rate=1.0,
-        duration=30.0,
-        over_duration=None,
-        warm_up_rate=1.0,
-        warm_up_s=10.0,
-        slo_scale="auto",
-        rebalance=False,
-        max_hold=0.0,
-    )
+    # make bench-overload's defaults (2 prefill + 2 decode, the 53M model, slo_goodput,
+    # SLO scaled to the host, a climbing sweep, 30 s windows), refusing at once.
+    args = bench.parser().parse_args(["--max-hold", "0"])
     result = bench.measure(args, tmp_path)
 
     sweep, peak = result["sweep"], result["peak_goodput"]
