@@ -45,7 +45,13 @@ test: lint typecheck pytest
 serve: venv
 	$(VENV)/bin/baton serve --config deploy/configs/local.yaml
 
-bench: bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-abuse
+# `make bench` runs every one of these, even after one exits non-zero (bench-router does
+# when slo_goodput misses a p99 target), then names those and exits 1.
+BENCHES ?= bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-abuse
+
+bench: venv
+	@nonzero=""; for b in $(BENCHES); do $(MAKE) --no-print-directory $$b || nonzero="$$nonzero $$b"; done; \
+	if [ -n "$$nonzero" ]; then echo "make bench: exited non-zero (a missed target or a failure):$$nonzero" >&2; exit 1; fi
 
 bench-engine: venv
 	$(PY) benchmarks/engine.py

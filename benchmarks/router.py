@@ -28,7 +28,8 @@ the policies are deterministic, so decision ``k`` does the same work every round
 and its time is the minimum over rounds (other processes on a shared machine
 only add time; a preempted decision is slow in one round, not in all).
 ``p99_raw_us`` is the p99 of the best single round, noise included. The exit
-status is 1 when slo_goodput misses its p99 target in the steady scenario.
+status is 1 when slo_goodput misses its p99 target in the steady or the live
+scenario (``make bench`` still runs the other benchmarks, then says so).
 
 ``--clock cpu`` (the default) times each decision with this thread's CPU clock
 (``time.thread_time_ns``): on a shared 2-core machine the wall clock also counts
