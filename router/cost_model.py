@@ -106,6 +106,12 @@ class CostModel:
     _since_fit: int = field(default=0, init=False, repr=False)
     _prefill_err: _RollingMean = field(init=False, repr=False)
     _decode_err: _RollingMean = field(init=False, repr=False)
+    # The fit's constants (the reference point, the seed there, the prior's weights and
+    # pull): they depend on the profile and the settings only, so ``refit`` reads them.
+    _ref: np.ndarray = field(init=False, repr=False)
+    _prior: np.ndarray = field(init=False, repr=False)
+    _prior_diag: np.ndarray = field(init=False, repr=False)
+    _prior_pull: np.ndarray = field(init=False, repr=False)
     num_samples: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +122,14 @@ class CostModel:
         self._y = np.empty(self.window)
         self._prefill_err = _RollingMean(self.error_window)
         self._decode_err = _RollingMean(self.error_window)
+        self._ref = np.array(
+            [1.0, self.ref_tokens, self.ref_tokens**2, 1.0, self.ref_seqs, self.ref_context]
+        )
+        at_ref = self._theta0 * self._ref
+        curve_s = np.repeat([at_ref[:3].sum(), at_ref[3:].sum()], 3)
+        self._prior = self.prior_weight / np.maximum(curve_s, 1e-12) ** 2
+        self._prior_diag = np.diag(self._prior)
+        self._prior_pull = self._prior * at_ref
 
     # -- feeding -----------------------------------------------------------------------
 
@@ -172,17 +186,12 @@ class CostModel:
             x = np.concatenate((self._x[head:], self._x[:head]))
             y = np.concatenate((self._y[head:], self._y[:head]))
         weights = self._decay_weights(kept) / (y * y)
-        ref = np.array(
-            [1.0, self.ref_tokens, self.ref_tokens**2, 1.0, self.ref_seqs, self.ref_context]
-        )
-        at_ref = self._theta0 * ref
-        curve_s = np.repeat([at_ref[:3].sum(), at_ref[3:].sum()], 3)
-        prior = self.prior_weight / np.maximum(curve_s, 1e-12) ** 2
+        ref = self._ref
         # Solve for theta·ref (columns scaled to the reference point): well conditioned.
         xs = x / ref
         xw = xs * weights[:, None]
-        gram = xw.T @ xs + np.diag(prior)
-        rhs = xw.T @ y + prior * at_ref
+        gram = xw.T @ xs + self._prior_diag
+        rhs = xw.T @ y + self._prior_pull
         self._set_theta(_solve_non_negative(gram, rhs) / ref)
 
     def _decay_weights(self, num_steps: int) -> np.ndarray:
@@ -257,9 +266,12 @@ def _solve_non_negative(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     phase-shift workload, all mixed, the prefill ``c`` came out at -3.5e-8 and a
     2250-token prompt was priced at -0.08 s, so every long prompt went to that worker
     (TTFT up to 15 s, attainment 0.18 in the prefill-heavy third)."""
-    free = np.ones(len(rhs), dtype=bool)
-    theta = np.zeros(len(rhs))
-    for _ in range(len(rhs)):
+    theta = np.linalg.solve(gram, rhs)  # all terms free: the usual case, one solve
+    negative = theta < 0
+    if not negative.any():
+        return theta
+    free = ~negative
+    for _ in range(len(rhs) - 1):
         theta[:] = 0.0
         theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
         negative = theta < 0

@@ -175,9 +175,15 @@ def _interp_unit(pos: np.ndarray, values: np.ndarray) -> np.ndarray:
     m = len(values)
     if m == 1:
         return np.full(pos.shape, values[0])
-    j = np.minimum(pos.astype(np.intp), m - 2)
-    base = values[j]
-    out: np.ndarray = base + (pos - j) * (values[j + 1] - base)
+    # The cell's left end as a float and as an index: ``pos − j`` then subtracts two
+    # floats (the same value as with the integer ``j``, without converting it).
+    left = np.minimum(np.floor(pos), m - 2)
+    j = left.astype(np.intp)
+    base = values.take(j)
+    out: np.ndarray = values[1:].take(j)
+    out -= base
+    out *= pos - left
+    out += base
     return out
 
 
@@ -189,7 +195,9 @@ def remaining_tokens(
 ) -> np.ndarray:
     """``r = max(0, L̂ − g − 1)`` for each draw and request."""
     drawn = sample_output_lengths(sorted_lengths, num_generated, max_tokens, u)
-    return np.maximum(drawn - num_generated - 1.0, 0.0)
+    drawn -= num_generated  # a new array of its own: worked on in place
+    drawn -= 1.0
+    return np.maximum(drawn, 0.0, out=drawn)
 
 
 def peak_per_draw(remaining: np.ndarray, held: np.ndarray) -> np.ndarray:
@@ -203,6 +211,20 @@ def peak_per_draw(remaining: np.ndarray, held: np.ndarray) -> np.ndarray:
     terms = np.arange(1, n + 1) * r + np.cumsum(c, axis=1)
     peaks: np.ndarray = terms.max(axis=1)
     return peaks
+
+
+_INDEX_ARRAYS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _index_arrays(num_draws: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``PeakTable``'s (row of each draw as a column, ranks 1..n), made once per shape."""
+    arrays = _INDEX_ARRAYS.get((num_draws, n))
+    if arrays is None:
+        arrays = _INDEX_ARRAYS[(num_draws, n)] = (
+            np.arange(num_draws)[:, None],
+            np.arange(1, n + 1, dtype=np.float64),
+        )
+    return arrays
 
 
 class PeakTable:
@@ -226,13 +248,16 @@ class PeakTable:
     def __init__(self, remaining: np.ndarray, held: np.ndarray) -> None:
         num_draws, n = remaining.shape
         self.num_running = n
-        # Methods rather than numpy's module functions, and the last maximum over the
-        # few draws in Python: at a decode worker's size the calls, not the arithmetic,
-        # are the time of a table, and the router draws one per new running set.
+        # Methods rather than numpy's module functions, the index arrays kept per shape,
+        # and the last maximum over the few draws in Python: at a decode worker's size
+        # the calls, not the arithmetic, are the time of a table, and the router draws
+        # one per new running set.
+        rows, ranks = _index_arrays(num_draws, n)
         order = (-remaining).argsort(axis=1, kind="stable")
-        self._r = remaining[np.arange(num_draws)[:, None], order]
+        self._r = remaining[rows, order]
         self._c = np.asarray(held, dtype=np.float64)[order].cumsum(axis=1)
-        self._terms = np.arange(1, n + 1) * self._r + self._c
+        self._terms = ranks * self._r
+        self._terms += self._c
         self.peaks: np.ndarray = self._terms.max(axis=1) if n else np.zeros(num_draws)
         self.peak_tokens = float(max(self.peaks.tolist()))
         # Built on the first ``peak_with``: most tables are only read for their peak.

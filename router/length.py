@@ -47,6 +47,7 @@ __all__ = [
     "long_pool_size",
     "prefill_curve",
     "queue_wait_s",
+    "queue_waits_s",
 ]
 
 
@@ -199,20 +200,32 @@ def queue_wait_s(
     (``s = min(k, ⌈T / budget⌉)`` priced a chunked queue of long prompts as one step
     each: on a mixed worker, whose budget is 512 tokens less its running sequences,
     three queued 2250-token prompts took 19 steps of ~12 ms where 3 were priced.)"""
-    classes: Sequence[LengthClass]
-    if mode is SplitMode.TEMPORAL and length_class is LengthClass.SHORT:
-        classes = (LengthClass.SHORT,)
-    else:
-        classes = (LengthClass.SHORT, LengthClass.LONG)
-    wait_s = 0.0
-    for cls in classes:
-        tokens = queued_tokens.get(cls, 0)
-        if tokens <= 0:
-            continue
-        count = max(queued_requests.get(cls, 1), 1)
+    short_s, long_s = queue_waits_s(coeffs, queued_tokens, queued_requests, mode, budget_tokens)
+    return short_s if length_class is LengthClass.SHORT else long_s
+
+
+def queue_waits_s(
+    coeffs: QuadCoeffs,
+    queued_tokens: Mapping[LengthClass, int],
+    queued_requests: Mapping[LengthClass, int],
+    mode: SplitMode,
+    budget_tokens: int = 0,
+) -> tuple[float, float]:
+    """``queue_wait_s`` of a SHORT and of a LONG request, each class's queue priced once
+    (a worker's row needs both)."""
+    short_s = 0.0
+    tokens = queued_tokens.get(LengthClass.SHORT, 0)
+    if tokens > 0:
+        count = max(queued_requests.get(LengthClass.SHORT, 1), 1)
         steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
-        wait_s += steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
-    return wait_s
+        short_s += steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
+    long_s = short_s  # a LONG request waits behind both classes, SHORT first
+    tokens = queued_tokens.get(LengthClass.LONG, 0)
+    if tokens > 0:
+        count = max(queued_requests.get(LengthClass.LONG, 1), 1)
+        steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
+        long_s += steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
+    return (long_s if mode is SplitMode.SPATIAL else short_s), long_s
 
 
 def prefill_curve(

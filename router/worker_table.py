@@ -28,11 +28,11 @@ import numpy as np
 
 from router.cost_model import CostModel
 from router.estimator import PeakTable, remaining_tokens
-from router.length import LongPool, SplitMode, prefill_curve, queue_wait_s
+from router.length import LongPool, SplitMode, prefill_curve, queue_waits_s
 from router.prefix_index import PrefixIndex
 from router.profile import Profile, QuadCoeffs
 from router.running_sets import RunningEntry, RunningSets
-from router.types import ClusterView, LengthClass, Role, StepSample, WorkerView
+from router.types import ClusterView, Role, StepSample, WorkerView
 
 __all__ = ["ROLE_CODES", "TableSettings", "WorkerTable"]
 
@@ -290,9 +290,7 @@ class WorkerTable:
         """Row ``i``'s queued tokens and each length class's queue wait (with ``margin``)."""
         queued, counts = w.queued_tokens, w.queued_requests
         self.queued_tokens[i] = sum(queued.values())
-        mode = self.settings.split_mode
-        short_s = queue_wait_s(coeffs, queued, counts, LengthClass.SHORT, mode, budget)
-        long_s = queue_wait_s(coeffs, queued, counts, LengthClass.LONG, mode, budget)
+        short_s, long_s = queue_waits_s(coeffs, queued, counts, self.settings.split_mode, budget)
         self.wait_short_s[i] = short_s * margin
         self.wait_long_s[i] = long_s * margin
 
