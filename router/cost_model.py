@@ -195,14 +195,14 @@ class CostModel:
         self._set_theta(_solve_non_negative(gram, rhs) / ref)
 
     def _decay_weights(self, num_steps: int) -> np.ndarray:
-        """``decay**k`` for the steps oldest first (k steps old), kept for a full window."""
-        cached = self._weights
-        if cached is not None and len(cached) == num_steps:
-            return cached
-        weights = self.decay ** np.arange(num_steps - 1, -1, -1, dtype=np.float64)
-        if num_steps == self.window:
-            self._weights = weights
-        return weights
+        """``decay**k`` for the steps oldest first (k steps old): the newest ``num_steps``
+        of a full window's, computed once."""
+        weights = self._weights
+        if weights is None:
+            weights = self._weights = self.decay ** np.arange(
+                self.window - 1, -1, -1, dtype=np.float64
+            )
+        return weights[self.window - num_steps :]
 
     # -- reading -----------------------------------------------------------------------
 
