@@ -106,10 +106,9 @@ class CostModel:
     _since_fit: int = field(default=0, init=False, repr=False)
     _prefill_err: _RollingMean = field(init=False, repr=False)
     _decode_err: _RollingMean = field(init=False, repr=False)
-    # The fit's constants (the reference point, the seed there, the prior's weights and
-    # pull): they depend on the profile and the settings only, so ``refit`` reads them.
+    # The fit's constants (the reference point, the prior's weights and its pull toward
+    # the seed): they depend on the profile and the settings only, so ``refit`` reads them.
     _ref: np.ndarray = field(init=False, repr=False)
-    _prior: np.ndarray = field(init=False, repr=False)
     _prior_diag: np.ndarray = field(init=False, repr=False)
     _prior_pull: np.ndarray = field(init=False, repr=False)
     num_samples: int = field(default=0, init=False)
@@ -127,9 +126,9 @@ class CostModel:
         )
         at_ref = self._theta0 * self._ref
         curve_s = np.repeat([at_ref[:3].sum(), at_ref[3:].sum()], 3)
-        self._prior = self.prior_weight / np.maximum(curve_s, 1e-12) ** 2
-        self._prior_diag = np.diag(self._prior)
-        self._prior_pull = self._prior * at_ref
+        prior = self.prior_weight / np.maximum(curve_s, 1e-12) ** 2
+        self._prior_diag = np.diag(prior)
+        self._prior_pull = prior * at_ref
 
     # -- feeding -----------------------------------------------------------------------
 
@@ -266,14 +265,14 @@ def _solve_non_negative(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     phase-shift workload, all mixed, the prefill ``c`` came out at -3.5e-8 and a
     2250-token prompt was priced at -0.08 s, so every long prompt went to that worker
     (TTFT up to 15 s, attainment 0.18 in the prefill-heavy third)."""
-    theta = np.linalg.solve(gram, rhs)  # all terms free: the usual case, one solve
-    negative = theta < 0
-    if not negative.any():
-        return theta
-    free = ~negative
-    for _ in range(len(rhs) - 1):
+    free = np.ones(len(rhs), dtype=bool)
+    theta = np.zeros(len(rhs))
+    for _ in range(len(rhs)):
         theta[:] = 0.0
-        theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
+        if free.all():  # the usual case, and the first pass: the whole system, no copy
+            theta[:] = np.linalg.solve(gram, rhs)
+        else:
+            theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
         negative = theta < 0
         if not negative.any():
             break

@@ -213,19 +213,30 @@ def queue_waits_s(
 ) -> tuple[float, float]:
     """``queue_wait_s`` of a SHORT and of a LONG request, each class's queue priced once
     (a worker's row needs both)."""
-    short_s = 0.0
-    tokens = queued_tokens.get(LengthClass.SHORT, 0)
-    if tokens > 0:
-        count = max(queued_requests.get(LengthClass.SHORT, 1), 1)
-        steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
-        short_s += steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
-    long_s = short_s  # a LONG request waits behind both classes, SHORT first
-    tokens = queued_tokens.get(LengthClass.LONG, 0)
-    if tokens > 0:
-        count = max(queued_requests.get(LengthClass.LONG, 1), 1)
-        steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
-        long_s += steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
+    short_s = _class_queue_s(
+        coeffs, queued_tokens, queued_requests, LengthClass.SHORT, budget_tokens
+    )
+    # A LONG request waits behind both classes, SHORT first.
+    long_s = short_s + _class_queue_s(
+        coeffs, queued_tokens, queued_requests, LengthClass.LONG, budget_tokens
+    )
     return (long_s if mode is SplitMode.SPATIAL else short_s), long_s
+
+
+def _class_queue_s(
+    coeffs: QuadCoeffs,
+    queued_tokens: Mapping[LengthClass, int],
+    queued_requests: Mapping[LengthClass, int],
+    length_class: LengthClass,
+    budget_tokens: int,
+) -> float:
+    """One class's queued work: ``s·a + b·T + c·T²/k`` (``queue_wait_s``)."""
+    tokens = queued_tokens.get(length_class, 0)
+    if tokens <= 0:
+        return 0.0
+    count = max(queued_requests.get(length_class, 1), 1)
+    steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
+    return steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
 
 
 def prefill_curve(
