@@ -17,7 +17,9 @@ real router (``slo_goodput``, which may split one request's images over several
 encode workers) and the shipped profile ``loadgen/profiles/internvl2-26b-h100.json``
 (InternViT-6B encoder + InternLM2-20B; published sizes, roofline-estimated, sources
 in the file; decode workers, which never encode, hold KV where the vision weights
-would be). The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up
+would be). Images are ``--image-size`` px squares (default 448), tiled as InternVL2
+does (``loadgen.sim.images``: 448 px tiles, at most 12 and a thumbnail, 256 tokens a
+tile): the default is one tile an image; ``uniform:448-1344`` mixes 1, 5 and 10. The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up
 by ``--ladder`` until attainment drops under 90%, then ``--bisections`` halvings of
 the last gap; the goodput measured at the highest rate that kept 90%. The router's
 long/short prefill split is ``--length-split`` (``spatial`` as served: a pool of the
@@ -70,6 +72,7 @@ from router.front_door import RouterSettings  # noqa: E402
 
 PROFILE = "internvl2-26b-h100"
 IMAGE_TOKENS = 256  # InternVL2: one 448x448 tile -> 256 image tokens
+TILE_PX, MAX_TILES = 448, 12  # InternVL2's dynamic resolution (loadgen.sim.images)
 SLO = GoodputSLO(ttft_ms=1500, tpot_ms=100)
 ATTAINMENT = 0.9
 MAX_RATE_PER_GPU = 16.0  # the search's top rate
@@ -110,7 +113,7 @@ def workload(num_requests: int, seed: int, burstiness: float) -> WorkloadConfig:
 
 
 def run_rate(
-    layout: dict[str, int], rps: float, base: WorkloadConfig, length_split: str
+    layout: dict[str, int], rps: float, base: WorkloadConfig, length_split: str, slo: GoodputSLO
 ) -> dict[str, Any]:
     profile = load_profile(PROFILE)
     config = SimConfig(
@@ -119,8 +122,10 @@ def run_rate(
         profile=profile,
         router=RouterSettings(profile=profile, length_split=length_split),
         policy="slo_goodput",
-        slo=SLO,
+        slo=slo,
         image_tokens_per_image=IMAGE_TOKENS,
+        image_tile_px=TILE_PX,
+        max_image_tiles=MAX_TILES,
         rebalance=False,  # same layout throughout: the comparison is of layouts
         num_encode=layout.get("num_encode", 0),
         num_prefill=layout["num_prefill"],
@@ -143,6 +148,7 @@ def search_layout(
     ladder: float,
     bisections: int,
     length_split: str,
+    slo: GoodputSLO,
 ) -> dict[str, Any]:
     """Goodput at 90% attainment of one role split: rates from 0.5/GPU up by ``ladder``
     until attainment drops under 90%, then ``bisections`` halvings (in log rate) of the
@@ -151,7 +157,7 @@ def search_layout(
     low, high = None, None
     rps, cap = 0.5 * gpus, MAX_RATE_PER_GPU * gpus
     while True:
-        row = run_rate(layout, round(rps, 3), base, length_split)
+        row = run_rate(layout, round(rps, 3), base, length_split, slo)
         rows.append(row)
         if row["slo_attainment"] < ATTAINMENT:
             high = rps
@@ -163,7 +169,7 @@ def search_layout(
     if low is not None and high is not None:
         for _ in range(bisections):
             mid = (low * high) ** 0.5
-            row = run_rate(layout, round(mid, 3), base, length_split)
+            row = run_rate(layout, round(mid, 3), base, length_split, slo)
             rows.append(row)
             low, high = (mid, high) if row["slo_attainment"] >= ATTAINMENT else (low, mid)
     rows.sort(key=lambda r: r["rate_rps"])
@@ -180,27 +186,34 @@ def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: best[k] for k in ("rate_rps", "request_goodput", "p90_ttft_ms")}
 
 
-def _search(job: tuple[str, dict[str, int], int, WorkloadConfig, float, int, str]) -> Any:
-    name, layout, gpus, base, ladder, bisections, length_split = job
-    return name, search_layout(layout, gpus, base, ladder, bisections, length_split)
+def _search(
+    job: tuple[str, dict[str, int], int, WorkloadConfig, float, int, str, GoodputSLO],
+) -> Any:
+    name, layout, gpus, base, ladder, bisections, length_split, slo = job
+    return name, search_layout(layout, gpus, base, ladder, bisections, length_split, slo)
 
 
 def simulated(args: argparse.Namespace) -> dict[str, Any]:
     from concurrent.futures import ProcessPoolExecutor
 
+    slo = replace(SLO, ttft_ms=args.ttft_ms)
     out: dict[str, Any] = {
         "profile": PROFILE,
-        "slo_ms": SLO.as_dict(),
+        "slo_ms": slo.as_dict(),
         "attainment": ATTAINMENT,
-        "image_tokens_per_image": IMAGE_TOKENS,
+        "image_size": args.image_size,
+        "image_tokens_per_tile": IMAGE_TOKENS,
+        "image_tiles": {"tile_px": TILE_PX, "max_tiles": MAX_TILES, "thumbnail": True},
         "search": {"ladder": args.ladder, "bisections": args.bisections},
         "length_split": args.length_split,
         "results": {},
     }
     for gpus in args.gpus:
-        base = workload(args.num_requests, args.seed, args.burstiness)
+        base = replace(
+            workload(args.num_requests, args.seed, args.burstiness), image_size=args.image_size
+        )
         jobs = [
-            (name, layout, gpus, base, args.ladder, args.bisections, args.length_split)
+            (name, layout, gpus, base, args.ladder, args.bisections, args.length_split, slo)
             for name, grid in layouts(gpus).items()
             for layout in grid
         ]
@@ -336,6 +349,15 @@ def main() -> None:
         default="spatial",
         help="the router's long/short prefill split, the same for both layouts "
         "(spatial, as served: a pool sized to the long prompts' work takes them)",
+    )
+    parser.add_argument(
+        "--image-size",
+        default="448",
+        help="pixels per side of each image, a length spec (e.g. uniform:448-1344); the "
+        "simulated InternVL2 tiles them: up to 633 px one tile, up to 950 px five, then ten",
+    )
+    parser.add_argument(
+        "--ttft-ms", type=float, default=SLO.ttft_ms, help="the simulated runs' TTFT target"
     )
     parser.add_argument("--live", action="store_true", help="the tiny cluster, not the sim")
     parser.add_argument(

@@ -39,8 +39,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--encode", type=int, default=None, help="encode workers added (default: the config's, 0)"
     )
     g.add_argument(
-        "--image-tokens", type=int, default=576, help="image tokens per image (LLaVA-1.5: 576)"
+        "--image-tokens",
+        type=int,
+        default=576,
+        help="image tokens per image (LLaVA-1.5: 576), or per tile with --image-tile-px",
     )
+    g.add_argument(
+        "--image-tile-px",
+        type=int,
+        default=None,
+        help="tile images by their size, InternVL2-style (448: tiles of 448 px and a thumbnail)",
+    )
+    g.add_argument("--max-image-tiles", type=int, default=12, help="with --image-tile-px")
     g.add_argument(
         "--policy", default=None, help="router policy (default: the config's, slo_goodput)"
     )
@@ -85,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             num_mixed=args.mixed,
             num_encode=args.encode if args.encode is not None else served.workers.encode,
             image_tokens_per_image=args.image_tokens,
+            image_tile_px=args.image_tile_px,
+            max_image_tiles=args.max_image_tiles,
             router=router,
             policy=args.policy,
             profile=profile,

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from loadgen.metrics import RequestRecord
+from loadgen.sim.images import ImageTokens
 from loadgen.sim.profile import Profile
 from loadgen.sim.telemetry import RunningSets, SimReport, same_state
 from loadgen.sim.worker import Admission, SimRequest, SimWorker
@@ -68,10 +69,10 @@ class SimCluster:
         make_admission: Callable[[], Admission] | None = None,
         rebalance: bool = False,
         flip_latency_s: float = 0.5,
-        image_tokens_per_image: int = 0,
+        image_tokens: ImageTokens | None = None,
     ) -> None:
         self.profile = profile
-        self.image_tokens_per_image = image_tokens_per_image
+        self.image_tokens = image_tokens or ImageTokens(0)
         self._encoder_free_s: dict[str, float] = {}  # encode worker -> when its queue empties
         self._parts_left: dict[str, int] = {}  # request id -> encode parts not landed yet
         self.router = router
@@ -162,15 +163,16 @@ class SimCluster:
 
     def _new_request(self, spec: RequestSpec, arrival_s: float) -> SimRequest:
         max_tokens = self.max_tokens if self.max_tokens is not None else spec.output_len
-        num_image_tokens = len(spec.image_sides) * self.image_tokens_per_image
+        rule = self.image_tokens
+        image_tokens = tuple(map(rule.of_square, spec.image_sides)) if rule.per_tile else ()
         return SimRequest(
             spec.request_id,
             arrival_s,
-            spec.input_len + num_image_tokens,
+            spec.input_len + sum(image_tokens),
             spec.output_len,
             max(max_tokens, spec.output_len),
             spec.hash_ids if self.prefix_caching else (),
-            num_image_tokens,
+            image_tokens,
         )
 
     def _loop(self) -> None:
@@ -216,7 +218,7 @@ class SimCluster:
             num_new_tokens=req.input_len - req.num_image_tokens,
             max_tokens=req.max_tokens,
             num_image_tokens=req.num_image_tokens,
-            num_images=req.num_image_tokens // max(1, self.image_tokens_per_image),
+            num_images=len(req.image_tokens),
             slo=self.slo,
             prefix_hashes=req.hash_ids,
             arrival_s=req.arrival_s,
@@ -273,12 +275,10 @@ class SimCluster:
         """Each part FIFO on its encode worker, then its embeddings' pull (one link
         latency); the parts of one request run at once on their workers."""
         encode = self.profile.encode
-        num_images = max(1, req.num_image_tokens // max(1, self.image_tokens_per_image))
-        per_image = req.num_image_tokens / num_images
-        parts = plan.encode_split(num_images)
+        parts = plan.encode_split(len(req.image_tokens))
         self._parts_left[req.request_id] = len(parts)
         for encoder_id, first, end in parts:
-            num_tokens = round((end - first) * per_image)
+            num_tokens = sum(req.image_tokens[first:end])
             encode_s = encode.encode_s(num_tokens)
             start_s = max(now_s, self._encoder_free_s.get(encoder_id, 0.0))
             self._encoder_free_s[encoder_id] = start_s + encode_s

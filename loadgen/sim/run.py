@@ -20,6 +20,7 @@ from loadgen.arrivals import RateSpec
 from loadgen.metrics import GoodputSLO, RequestRecord, compute_summary
 from loadgen.scenario import WorkloadConfig, build_requests
 from loadgen.sim.cluster import SimCluster
+from loadgen.sim.images import ImageTokens
 from loadgen.sim.profile import Profile, load_profile
 from loadgen.workload import RequestSpec, WorkloadError
 from router.estimator import PastFutureAdmission
@@ -39,7 +40,11 @@ class SimConfig:
     num_colocated: int = 0  # > 0: an aggregated cluster of MIXED workers only
     num_mixed: int = 0  # MIXED workers added to a prefill/decode cluster
     num_encode: int = 0  # ENCODE workers added to a prefill/decode cluster
-    image_tokens_per_image: int = 576  # placeholders per image (LLaVA-1.5: 576)
+    image_tokens_per_image: int = 576  # placeholders per image (LLaVA-1.5: 576), or per tile
+    # Tiled images (loadgen.sim.images): tiles of this side, at most ``max_image_tiles``
+    # and a thumbnail (InternVL2: 448 px, 12); None: one fixed count per image.
+    image_tile_px: int | None = None
+    max_image_tiles: int = 12
     # The router as ``baton serve`` builds it (``RouterSettings.from_config`` of the same
     # config file); None: RouterConfig's defaults, seeded with ``profile``.
     router: RouterSettings | None = None
@@ -95,7 +100,9 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         make_admission=_admission_factory(config),
         rebalance=config.rebalance,
         flip_latency_s=config.flip_latency_s,
-        image_tokens_per_image=config.image_tokens_per_image,
+        image_tokens=ImageTokens(
+            config.image_tokens_per_image, config.image_tile_px, config.max_image_tiles
+        ),
     )
     started, started_cpu = time.perf_counter(), time.process_time()
     if config.rate is None:

@@ -66,6 +66,7 @@ class SimRequest:
         "generated",
         "hash_ids",
         "held",
+        "image_tokens",
         "input_len",
         "max_tokens",
         "num_image_tokens",
@@ -89,10 +90,11 @@ class SimRequest:
         output_len: int,
         max_tokens: int,
         hash_ids: tuple[int, ...],
-        num_image_tokens: int = 0,
+        image_tokens: tuple[int, ...] = (),
     ) -> None:
         self.request_id = request_id
-        self.num_image_tokens = num_image_tokens  # of input_len: image placeholders
+        self.image_tokens = image_tokens  # each image's placeholders, in prompt order
+        self.num_image_tokens = sum(image_tokens)  # of input_len
         self.encode_s = 0.0  # an encode its prefill worker runs before its first chunk
         self.arrival_s = arrival_s
         self.input_len = input_len

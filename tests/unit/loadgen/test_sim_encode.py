@@ -81,3 +81,20 @@ def test_a_request_s_images_split_over_two_encode_workers_land_with_the_last_par
     assert split == pytest.approx(0.04 + 0.005 + 0.11)
     whole = _ttfts(_config(num_encode=1), [three])["three"]  # 0.02 + 30 x 0.001 on one
     assert whole == pytest.approx(0.05 + 0.005 + 0.11)
+
+
+def test_tiled_images_cost_their_tiles_and_each_part_its_own_images() -> None:
+    # InternVL2-style tiles of 448 px: a 448 px image is one tile (10 tokens), a 900 px
+    # one 2x2 tiles and a thumbnail (50 tokens).
+    mixed = RequestSpec("mixed", 0.0, 40, 3, image_sides=(448, 900))  # 40 + 60 tokens
+    tiled = _config(num_encode=1, image_tile_px=448)
+    # One encoder: 0.02 + 60 x 0.001, the latency 0.005, the prefill 0.01 + 100 x 0.001.
+    assert _ttfts(tiled, [mixed])["mixed"] == pytest.approx(0.08 + 0.005 + 0.11)
+    # Split over two encoders, one image each: the 900 px image's part is the last to
+    # land (0.02 + 50 x 0.001). Priced at the mean of 30 tokens an image it would have
+    # landed at 0.05 + 0.005.
+    split = _ttfts(replace(tiled, num_encode=2), [mixed])["mixed"]
+    assert split == pytest.approx(0.07 + 0.005 + 0.11)
+    # Without tiles every image is one fixed count, whatever its size.
+    fixed = _ttfts(_config(num_encode=1), [mixed])["mixed"]  # 40 + 20 tokens
+    assert fixed == pytest.approx(0.04 + 0.005 + 0.07)
