@@ -19,8 +19,9 @@ encode workers) and the shipped profile ``loadgen/profiles/internvl2-26b-h100.js
 in the file; decode workers, which never encode, hold KV where the vision weights
 would be). Images are ``--image-size`` px squares (default 448), tiled as InternVL2
 does (``loadgen.sim.images``: 448 px tiles, at most 12 and a thumbnail, 256 tokens a
-tile): the default is one tile an image; ``uniform:448-1344`` mixes 1, 5 and 10. The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up
-by ``--ladder`` until attainment drops under 90%, then ``--bisections`` halvings of
+tile): the default is one tile an image; ``uniform:448-1344`` mixes 1, 5 and 10.
+The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up by
+``--ladder`` until attainment drops under 90%, then ``--bisections`` halvings of
 the last gap; the goodput measured at the highest rate that kept 90%. The router's
 long/short prefill split is ``--length-split`` (``spatial`` as served: a pool of the
 prefill workers sized to the long prompts' share of the work takes them, here the image
