@@ -19,7 +19,8 @@ from itertools import chain
 
 import numpy as np
 
-from router.estimator import PeakTable, sample_output_lengths_of_one
+from router.estimator import sample_output_lengths_of_one
+from router.peak_table import PeakTable
 from router.types import RunningRequest
 
 __all__ = [

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.cost_model import CostModel
-from router.estimator import PeakTable, remaining_tokens
+from router.estimator import remaining_tokens
 from router.length import LongPool, SplitMode, prefill_curve, queue_waits_s
+from router.peak_table import PeakTable
 from router.prefix_index import PrefixIndex
 from router.profile import Profile, QuadCoeffs
 from router.running_sets import RunningEntry, RunningSets

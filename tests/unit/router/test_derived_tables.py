@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from router.cost_model import CostModel
-from router.estimator import PeakTable, remaining_tokens
+from router.estimator import remaining_tokens
 from router.front_door import Router, RouterSettings
 from router.length import SplitMode
+from router.peak_table import PeakTable
 from router.profile import DEFAULT_PROFILE
 from router.running_sets import RunningEntry, new_entry, remaining_tokens_of_one
 from router.types import Plan, RequestProfile, Role, RunningRequest, WorkerView

@@ -12,11 +12,10 @@ from router.estimator import (
     OutputLengthHistory,
     PastFutureAdmission,
     PastFutureEstimator,
-    PeakTable,
-    peak_per_draw,
     remaining_tokens,
     sorted_history,
 )
+from router.peak_table import PeakTable, peak_per_draw
 from router.types import RunningRequest
 
 

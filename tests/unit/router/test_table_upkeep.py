@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from router.cost_model import CostModel
-from router.estimator import PeakTable, remaining_tokens
+from router.estimator import remaining_tokens
 from router.front_door import Router, RouterSettings
 from router.length import SplitMode, prefill_curve, queue_wait_s
+from router.peak_table import PeakTable
 from router.profile import DEFAULT_PROFILE
 from router.running_sets import ROW_FIELDS, RunningEntry, RunningSets, extended_entry, new_entry
 from router.types import (
