@@ -28,12 +28,13 @@ router rebuilds only the reported workers' views.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from loadgen.metrics import RequestRecord
 from loadgen.sim.images import ImageTokens
+from loadgen.sim.prefix_cache import PrefixCaches
 from loadgen.sim.profile import Profile
 from loadgen.sim.telemetry import RunningSets, SimReport, same_state
 from loadgen.sim.worker import Admission, SimRequest, SimWorker
@@ -92,10 +93,7 @@ class SimCluster:
         self._steps: dict[str, deque[StepSample]] = {
             w.worker_id: deque(maxlen=4) for w in self.workers
         }
-        self._caches: dict[str, OrderedDict[int, None]] = {
-            w.worker_id: OrderedDict() for w in self.workers
-        }
-        self._digests: dict[str, tuple[int, ...]] = {w.worker_id: () for w in self.workers}
+        self._prefixes = PrefixCaches(w.worker_id for w in self.workers)
         self._link_free_s: dict[str, float] = {w.worker_id: 0.0 for w in self.workers}
         # Per worker, the running set it last reported: (running_version, steps into the
         # segment, the tuple). Reported again unchanged, it is the same tuple.
@@ -261,7 +259,7 @@ class SimCluster:
             req.decode_worker = decode
             decode.num_inbound += 1
         if self.prefix_caching:
-            hit = self._cached_prefix_tokens(prefill, req)
+            hit = self._prefixes.cached_tokens(prefill.worker_id, req)
             req.prefill_left = req.prefill_total = max(1, req.input_len - hit)
         if req.num_image_tokens:
             if plan.encode_worker is not None:
@@ -410,28 +408,9 @@ class SimCluster:
         worker.mark_dirty()
         self.flips.append((now_s, worker.worker_id, target))
 
-    # ---- prefix cache --------------------------------------------------------------
-    def _cached_prefix_tokens(self, worker: SimWorker, req: SimRequest) -> int:
-        cache = self._caches[worker.worker_id]
-        hits = 0
-        for h in req.hash_ids:
-            if h not in cache:
-                break
-            hits += 1
-        return hits * self._block_tokens(req)
-
-    def _block_tokens(self, req: SimRequest) -> int:
-        return req.input_len // len(req.hash_ids) if req.hash_ids else 0
-
+    # ---- prefix cache (loadgen.sim.prefix_cache) ---------------------------------
     def _cache_insert(self, worker: SimWorker, req: SimRequest) -> None:
-        cache = self._caches[worker.worker_id]
-        for h in req.hash_ids:
-            cache[h] = None
-            cache.move_to_end(h)
-        limit = max(1, worker.capacity_tokens // max(1, self._block_tokens(req)))
-        while len(cache) > limit:
-            cache.popitem(last=False)
-        self._digests[worker.worker_id] = tuple(cache)
+        self._prefixes.insert(worker.worker_id, req, worker.capacity_tokens)
         worker.mark_dirty()
 
     # ---- telemetry --------------------------------------------------------------------
@@ -455,6 +434,6 @@ class SimCluster:
             recent_steps=tuple(self._steps[w.worker_id]),
             kv_bytes_per_token=prof.kv_bytes_per_token,
             max_num_seqs=prof.max_num_seqs,
-            prefix_digest=self._digests[w.worker_id],
+            prefix_digest=self._prefixes.digest(w.worker_id),
             prefill_budget_tokens=w.budget_tokens,
         )
