@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from router.image_parts import image_splits, part_tokens
 from router.profile import EncodeCoeffs
-from router.types import RequestProfile, Role, split_images
+from router.types import RequestProfile, Role
 
 if TYPE_CHECKING:
     from router.worker_table import WorkerTable
@@ -83,17 +84,17 @@ def price_encode(
     b = fit.estimate.b
     encoders = np.flatnonzero(mask)
     order = encoders[np.argsort(t.queued_tokens[encoders], kind="stable")]
-    num_images = max(1, profile.num_images)
-    ids = tuple(t.workers[int(e)].worker_id for e in order[:num_images])
-    per_image = profile.num_image_tokens / num_images
-    ready_s, parts = math.inf, split_images(num_images, ids[:1])
-    for k in range(1, len(ids) + 1):
-        split = split_images(num_images, ids[:k])
+    tokens = profile.tokens_per_image()
+    ids = tuple(t.workers[int(e)].worker_id for e in order[: len(tokens)])
+    index = dict(zip(ids, order.tolist(), strict=False))
+    ready_s = math.inf
+    parts: tuple[tuple[str, int, int], ...] = ()
+    for split in image_splits(tokens, ids):  # over the 1, 2, ... least-queued encoders
         ready_k = max(
-            b * float(t.queued_tokens[e])
-            + fit.encode_s((stop - start) * per_image)
-            + float(t.link_latency_s[e])
-            for e, (_, start, stop) in zip(order, split, strict=False)
+            b * float(t.queued_tokens[index[wid]])
+            + fit.encode_s(part_tokens(tokens, start, stop))
+            + float(t.link_latency_s[index[wid]])
+            for wid, start, stop in split
         )
         if ready_k < ready_s - 1e-9:  # a tie keeps fewer parts
             ready_s, parts = ready_k, split

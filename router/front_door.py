@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from router import live_speed
 from router.admission import Admission
 from router.correction import Outcome, OutcomeCorrector
+from router.image_parts import split_images
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import Links
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
@@ -59,7 +60,6 @@ from router.types import (
     Role,
     WorkerReport,
     WorkerView,
-    split_images,
 )
 
 __all__ = ["Hold", "Router", "RouterSettings", "WorkerReport"]
@@ -232,7 +232,7 @@ class Router:
                 self.refusals.refused(now_s, decision.reason)  # nothing of the roles' mix
             return decision
         if profile.num_images and not hasattr(self.policy, "observe_encode"):
-            decision = _with_encode_worker(decision, view, profile.num_images)
+            decision = _with_encode_worker(decision, view, profile.tokens_per_image())
         if not replaced:  # a re-placement continues a started stream: never refused here
             waited_s = self.pending_age_s(decision.prefill_worker, now_s)
             decode = decision.decode_worker or decision.prefill_worker
@@ -416,7 +416,7 @@ class Router:
         )
 
 
-def _with_encode_worker(plan: Plan, view: ClusterView, num_images: int) -> Plan:
+def _with_encode_worker(plan: Plan, view: ClusterView, tokens: tuple[float, ...]) -> Plan:
     """For a policy that does not price encodes: the request's images spread over the
     encode workers with the fewest queued image tokens, one part per worker, if there
     are any (an operator who started encode workers wants images encoded there)."""
@@ -424,6 +424,6 @@ def _with_encode_worker(plan: Plan, view: ClusterView, num_images: int) -> Plan:
     if not encoders or plan.encode_worker is not None:
         return plan
     ranked = sorted(encoders, key=lambda w: sum(w.queued_tokens.values()))
-    parts = split_images(max(1, num_images), tuple(w.worker_id for w in ranked))
+    parts = split_images(tokens, tuple(w.worker_id for w in ranked))
     split = parts if len(parts) > 1 else ()
     return dataclasses.replace(plan, encode_worker=parts[0][0], encode_parts=split)

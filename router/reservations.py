@@ -21,6 +21,7 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from router.image_parts import part_tokens
 from router.length import effective_prefill_tokens
 from router.profile import TransferCoeffs
 from router.types import (
@@ -262,8 +263,8 @@ def _encode_tokens(plan: Plan, profile: RequestProfile) -> dict[str, int] | None
     """A split plan: each encode worker's share of the image tokens (by its images)."""
     if not plan.encode_parts:
         return None
-    per_image = profile.num_image_tokens / max(1, profile.num_images)
+    tokens = profile.tokens_per_image()
     shares: dict[str, int] = {}
     for wid, start, stop in plan.encode_parts:
-        shares[wid] = shares.get(wid, 0) + round((stop - start) * per_image)
+        shares[wid] = shares.get(wid, 0) + round(part_tokens(tokens, start, stop))
     return shares

@@ -23,7 +23,6 @@ __all__ = [
     "StepSample",
     "WorkerReport",
     "WorkerView",
-    "split_images",
 ]
 
 
@@ -67,6 +66,17 @@ class RequestProfile:
     priority: Priority = Priority.INTERACTIVE
     prefix_hashes: tuple[int, ...] = ()  # hashes of the prompt's full blocks, in order
     arrival_s: float = 0.0  # when the gateway received it (same clock as now_s)
+    # Each image's placeholder tokens, in order, where the sender knows them (they sum
+    # to ``num_image_tokens``); (): the images are taken to be of equal size.
+    image_tokens: tuple[int, ...] = ()
+
+    def tokens_per_image(self) -> tuple[float, ...]:
+        """Each image's tokens: ``image_tokens``, else ``num_image_tokens`` shared
+        evenly over ``num_images`` (over one image if none is counted)."""
+        if self.image_tokens:
+            return self.image_tokens
+        n = max(1, self.num_images)
+        return (self.num_image_tokens / n,) * n
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,18 +170,6 @@ class Plan:
         if self.encode_worker is None or num_images <= 0:
             return ()
         return ((self.encode_worker, 0, num_images),)
-
-
-def split_images(num_images: int, workers: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
-    """``num_images`` images in contiguous, near-equal parts over ``workers`` (at most
-    one part per image): the first parts take the extra image."""
-    k = min(num_images, len(workers))
-    parts, start = [], 0
-    for j in range(k):
-        size = num_images // k + (1 if j < num_images % k else 0)
-        parts.append((workers[j], start, start + size))
-        start += size
-    return tuple(parts)
 
 
 @dataclass(frozen=True, slots=True)

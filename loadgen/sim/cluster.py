@@ -217,6 +217,7 @@ class SimCluster:
             max_tokens=req.max_tokens,
             num_image_tokens=req.num_image_tokens,
             num_images=len(req.image_tokens),
+            image_tokens=req.image_tokens,
             slo=self.slo,
             prefix_hashes=req.hash_ids,
             arrival_s=req.arrival_s,

@@ -29,7 +29,8 @@ For a request of effective prefill length ``n`` (per worker: its own prefix hit)
    (``own = encode(m)`` for ``m`` image tokens, the fitted ``a + b·m`` of
    ``router.encode_fit``), or remotely, where it overlaps the prefill worker's wait.
    Remotely, a request's images may be split over the ``k`` least-queued encode
-   workers (contiguous parts, the larger ones on the less queued): the parts run at
+   workers (contiguous parts cut by image tokens, the largest as small as it can be,
+   the larger ones on the less queued: ``router.image_parts``): the parts run at
    once and the encode is ready when the last part lands,
    ``ready_k = max_j (queue_j·b + encode(m_j) + latency_j)`` for part ``j`` of
    ``m_j`` image tokens; ``k`` (1 up to the image count) is the one with the least

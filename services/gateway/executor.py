@@ -165,6 +165,7 @@ class PlanExecutor:
             max_tokens=sampling.max_tokens,
             num_image_tokens=num_image_tokens,
             num_images=len(images),
+            image_tokens=tuple(image.num_tokens for image in images),
             slo=slo or SLO(),
             prefix_hashes=self._prefix_hashes(prompt_token_ids, images),
             priority=priority,

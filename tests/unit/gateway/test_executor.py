@@ -12,7 +12,7 @@ from router.front_door import Router, RouterSettings
 from router.policy import make_policy
 from router.types import Role
 from services.backends.fake import FakeTokenizer
-from services.engine.messages import FinishReason, SamplingParams
+from services.engine.messages import FinishReason, ImageInput, SamplingParams
 from services.gateway.errors import BadRequest
 from services.gateway.executor import ExecutorConfig, PlanExecutor
 from services.gateway.placement import HoldSettings
@@ -119,6 +119,26 @@ async def test_prefill_hands_off_to_decode_and_client_sees_one_stream() -> None:
     assert d_job.request.output_token_ids == (A,)
     assert p.aborted == [] and d.aborted == []
     assert metrics.transfer_bytes.labels("local")._value.get() == 128
+
+
+async def test_the_router_is_told_each_image_s_tokens() -> None:
+    m = ScriptedWorker("m", lambda job: [delta(A), delta(B, FinishReason.LENGTH)])
+    executor, _, _ = build([(m, Role.MIXED)])
+    seen = []
+    place = executor._router.place
+
+    def spy(profile: Any, now_s: float, **kw: Any) -> Any:
+        seen.append(profile)
+        return place(profile, now_s, **kw)
+
+    executor._router.place = spy  # type: ignore[method-assign]
+    images = (ImageInput("aa", 1, 3, data=b"x"), ImageInput("bb", 4, 5, data=b"y"))
+    sampling = SamplingParams(max_tokens=2, temperature=0.0)
+    out = [d async for d in executor.run("r", PROMPT, sampling, 0.0, images=images)]
+    assert "".join(x.text for x in out) == "ab"
+    (profile,) = seen  # sizes differ: the router cuts encode parts by them
+    assert (profile.num_images, profile.num_image_tokens, profile.image_tokens) == (2, 8, (3, 5))
+    assert profile.num_prompt_tokens == len(PROMPT) - 8
 
 
 async def test_failed_pull_re_prefills_elsewhere_keeping_the_first_token() -> None:

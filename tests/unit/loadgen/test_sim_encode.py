@@ -95,6 +95,12 @@ def test_tiled_images_cost_their_tiles_and_each_part_its_own_images() -> None:
     # landed at 0.05 + 0.005.
     split = _ttfts(replace(tiled, num_encode=2), [mixed])["mixed"]
     assert split == pytest.approx(0.07 + 0.005 + 0.11)
+    # Three images over two encoders: the router cuts them by tokens, the 900 px image
+    # alone (0.02 + 50 x 0.001) and the two small ones together (0.02 + 20 x 0.001).
+    # Cut by count, the first part would have had two images: 0.02 + 60 x 0.001.
+    three = RequestSpec("three", 0.0, 40, 3, image_sides=(900, 448, 448))  # 40 + 70 tokens
+    cut = _ttfts(replace(tiled, num_encode=2), [three])["three"]
+    assert cut == pytest.approx(0.07 + 0.005 + 0.12)
     # Without tiles every image is one fixed count, whatever its size.
     fixed = _ttfts(_config(num_encode=1), [mixed])["mixed"]  # 40 + 20 tokens
     assert fixed == pytest.approx(0.04 + 0.005 + 0.07)

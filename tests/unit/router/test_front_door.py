@@ -328,6 +328,16 @@ def test_a_policy_that_does_not_price_encodes_spreads_images_over_the_least_queu
     r.release("three", "e1")  # e1 answered: its share is off its queue, the others' stay
     queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
     assert (queued["e0"], queued["e1"], queued["e2"]) == (600, 0, 100)
+    # Images of different sizes: cut by tokens, each worker queued its part's tokens.
+    mixed = replace(
+        _image_request("mixed", image_tokens=900), num_images=3, image_tokens=(100, 100, 700)
+    )
+    plan = r.place(mixed, 0.0)
+    assert isinstance(plan, Plan)
+    # e1 is the least queued (0, then e2 100, e0 600): the large image goes there.
+    assert plan.encode_parts == (("e2", 0, 1), ("e0", 1, 2), ("e1", 2, 3))
+    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
+    assert (queued["e0"], queued["e1"], queued["e2"]) == (700, 700, 200)
 
 
 def test_a_released_reservation_brings_back_the_workers_peak_table_undrawn() -> None:

@@ -86,6 +86,22 @@ def test_a_request_s_images_are_split_over_encoders_when_that_lands_them_sooner(
     assert plan.encode_split(1) == (("e0", 0, 1),)
 
 
+def test_images_of_different_sizes_are_split_by_their_tokens(pol: SloGoodput) -> None:
+    v = view(
+        worker("e0", Role.ENCODE),
+        worker("e1", Role.ENCODE),
+        worker("p", Role.PREFILL),
+        worker("d", Role.DECODE),
+    )
+    four = replace(request(PROMPT, image_tokens=400), num_images=4, image_tokens=(250, 50, 50, 50))
+    plan = plan_of(pol.plan(four, v, 0.0))
+    # The large image alone on e0 (0.005 + 250e-5 + 1 ms = 8.5 ms) beside the three small
+    # ones on e1 (7.5 ms); by count, the first two would take 9 ms; all on e0, 10 ms.
+    assert plan.encode_parts == (("e0", 0, 1), ("e1", 1, 4))
+    expected = 0.0085 + prefill_s(900) + 900 * 1e5 / 1e9 + 0.001
+    assert plan.predicted_ttft_s == pytest.approx(expected)
+
+
 def test_the_encode_term_is_fitted_from_observed_encodes(pol: SloGoodput) -> None:
     v = view(worker("p", Role.PREFILL), worker("d", Role.DECODE))
     before = plan_of(pol.plan(request(PROMPT, image_tokens=200), v, 0.0)).predicted_ttft_s
