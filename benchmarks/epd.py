@@ -27,8 +27,9 @@ long/short prefill split is ``--length-split`` (``spatial`` as served: a pool of
 prefill workers sized to the long prompts' share of the work takes them, here the image
 requests; ``temporal``: every prefill worker takes both, short ones first), the same for
 both layouts. One JSON object on stdout (every split's sweep, the best of each layout,
-their ratio); CPU seconds of the simulations (``getrusage``, this process and its
-workers) at the end.
+their ratio, and at each rate both layouts ran, the least p90 TTFT of each: the
+latency it offers at that load, whatever the target); CPU seconds of the simulations
+(``getrusage``, this process and its workers) at the end.
 
     python benchmarks/epd.py                       # 16 and 64 GPUs
     python benchmarks/epd.py --gpus 16 --num-requests 1500
@@ -55,6 +56,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import socket  # noqa: E402
@@ -156,17 +158,14 @@ def search_layout(
     last gap. Every split gets the same search."""
     rows: list[dict[str, Any]] = []
     low, high = None, None
-    rps, cap = 0.5 * gpus, MAX_RATE_PER_GPU * gpus
-    while True:
+    for rps in ladder_rates(gpus, ladder):
         row = run_rate(layout, round(rps, 3), base, length_split, slo)
         rows.append(row)
         if row["slo_attainment"] < ATTAINMENT:
             high = rps
             break
         low = rps
-        if rps >= cap:  # still at 90% at the cap: "at_90" is a lower bound ("capped")
-            break
-        rps = min(rps * ladder, cap)
+        # still at 90% at the cap (the last rate): "at_90" is a lower bound ("capped")
     if low is not None and high is not None:
         for _ in range(bisections):
             mid = (low * high) ** 0.5
@@ -179,12 +178,43 @@ def search_layout(
     return {"layout": layout, "sweep": rows, "at_90": at_90}
 
 
+def ladder_rates(gpus: int, ladder: float) -> list[float]:
+    """The search's ladder: 0.5 req/s per GPU, times ``ladder`` each step, up to the cap."""
+    rates, rps, cap = [], 0.5 * gpus, MAX_RATE_PER_GPU * gpus
+    while True:
+        rates.append(rps)
+        if rps >= cap:
+            return rates
+        rps = min(rps * ladder, cap)
+
+
 def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
     good = [r for r in rows if r["slo_attainment"] >= ATTAINMENT]
     if not good:
         return {"rate_rps": None, "request_goodput": 0.0, "p90_ttft_ms": None}
     best = max(good, key=lambda r: r["rate_rps"])
     return {k: best[k] for k in ("rate_rps", "request_goodput", "p90_ttft_ms")}
+
+
+def p90_ttft_by_rate(
+    splits: dict[str, list[dict[str, Any]]], rates: list[float]
+) -> list[dict[str, Any]]:
+    """At each of ``rates`` (the ladder's, which every split climbs; not the bisections,
+    which each split places at its own knee) that every layout ran, the least p90 TTFT
+    (ms) that any split of each layout gave: the latency each layout can offer at that
+    load, whatever the TTFT target (a split's sweep stops where it first misses 90%
+    attainment, so a tight target leaves fewer common rates)."""
+    on_ladder = {round(r, 3) for r in rates}
+    least: dict[str, dict[float, float]] = {}
+    for name, runs in splits.items():
+        by_rate = least[name] = {}
+        for run in runs:
+            for row in run["sweep"]:
+                rate, p90 = row["rate_rps"], row["p90_ttft_ms"]
+                if rate in on_ladder and p90 is not None and p90 < by_rate.get(rate, math.inf):
+                    by_rate[rate] = p90
+    common = set.intersection(*(set(v) for v in least.values())) if least else set()
+    return [{"rate_rps": r, **{n: least[n][r] for n in least}} for r in sorted(common)]
 
 
 def _search(
@@ -229,6 +259,10 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
         entry["best_layouts"] = {n: entry[n]["best"]["layout"] for n in ("epd", "encode_colocated")}
         entry["goodput_ratio_epd_over_colocated"] = (
             epd["request_goodput"] / coloc["request_goodput"] if coloc["request_goodput"] else None
+        )
+        entry["p90_ttft_ms_by_rate"] = p90_ttft_by_rate(
+            {n: entry[n]["splits"] for n in ("epd", "encode_colocated")},
+            ladder_rates(gpus, args.ladder),
         )
         out["results"][str(gpus)] = entry
     return out
