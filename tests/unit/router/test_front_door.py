@@ -289,57 +289,6 @@ def test_links_are_priced_from_measured_transfers_and_mixed_workers_by_their_bud
     assert r.view().workers[2].prefill_budget_tokens == 512
 
 
-def _image_request(request_id: str, image_tokens: int = 200) -> RequestProfile:
-    return replace(request(request_id), num_image_tokens=image_tokens, num_images=1)
-
-
-@pytest.mark.parametrize("policy", ["round_robin", "slo_goodput"])
-def test_image_requests_queue_on_the_least_loaded_encode_worker_until_it_answers(
-    policy: str,
-) -> None:
-    r = router(policy=policy)
-    r.update(snapshot("e0", Role.ENCODE))
-    r.update(snapshot("e1", Role.ENCODE))
-    first = r.place(_image_request("a"), 0.0)
-    second = r.place(_image_request("b"), 0.0)
-    assert isinstance(first, Plan) and isinstance(second, Plan)
-    assert {first.encode_worker, second.encode_worker} == {"e0", "e1"}
-    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
-    assert (queued["e0"], queued["e1"]) == (200, 200)
-    r.release("a", first.encode_worker)  # its encode worker answered
-    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
-    assert queued[first.encode_worker] == 0 and queued[second.encode_worker] == 200
-    text = r.place(request("c"), 0.0)
-    assert isinstance(text, Plan) and text.encode_worker is None  # no images, no encode
-
-
-def test_a_policy_that_does_not_price_encodes_spreads_images_over_the_least_queued() -> None:
-    r = router(policy="round_robin")
-    for wid in ("e0", "e1", "e2"):
-        r.update(snapshot(wid, Role.ENCODE))
-    busy = r.place(_image_request("busy", image_tokens=500), 0.0)  # one image: on e0
-    assert isinstance(busy, Plan) and busy.encode_workers == ("e0",)
-    three = replace(_image_request("three", image_tokens=300), num_images=3)
-    plan = r.place(three, 0.0)
-    assert isinstance(plan, Plan)
-    assert plan.encode_parts == (("e1", 0, 1), ("e2", 1, 2), ("e0", 2, 3))
-    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
-    assert (queued["e0"], queued["e1"], queued["e2"]) == (600, 100, 100)  # each its share
-    r.release("three", "e1")  # e1 answered: its share is off its queue, the others' stay
-    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
-    assert (queued["e0"], queued["e1"], queued["e2"]) == (600, 0, 100)
-    # Images of different sizes: cut by tokens, each worker queued its part's tokens.
-    mixed = replace(
-        _image_request("mixed", image_tokens=900), num_images=3, image_tokens=(100, 100, 700)
-    )
-    plan = r.place(mixed, 0.0)
-    assert isinstance(plan, Plan)
-    # e1 is the least queued (0, then e2 100, e0 600): the large image goes there.
-    assert plan.encode_parts == (("e2", 0, 1), ("e0", 1, 2), ("e1", 2, 3))
-    queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
-    assert (queued["e0"], queued["e1"], queued["e2"]) == (700, 700, 200)
-
-
 def test_a_released_reservation_brings_back_the_workers_peak_table_undrawn() -> None:
     """The decode worker's past-future table is drawn once per running set: placing a
     request draws one with the request added, and releasing it shows the report's own
