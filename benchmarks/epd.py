@@ -59,7 +59,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -275,13 +274,6 @@ LIVE_LAYOUTS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _serve(layout: dict[str, int], port: int, folder: Path) -> subprocess.Popen[bytes]:
     config = {
         "model": {"name": "tiny-vl"},
@@ -298,22 +290,6 @@ def _serve(layout: dict[str, int], port: int, folder: Path) -> subprocess.Popen[
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"baton serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("baton serve not ready in time")
-
-
 def live(args: argparse.Namespace) -> dict[str, Any]:
     """Each layout served once and loaded at each rate in turn (ascending), the same
     trace shape at every rate but a new seed per rate (a repeated trace would hit the
@@ -321,6 +297,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
     from loadgen.client import BenchConfig, run_bench
     from loadgen.metrics import compute_summary
     from loadgen.scenario import build_requests
+    from loadgen.server_proc import free_port, stop, wait_until_serving  # imports torch
 
     rates = sorted(args.rate)
     traces = [
@@ -335,12 +312,12 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in LIVE_LAYOUTS.items():
-            port = _free_port()
+            port = free_port()
             proc = _serve(layout, port, Path(tmp))
             rows = []
             try:
                 url = f"http://127.0.0.1:{port}"
-                _wait_ready(url, proc)
+                wait_until_serving(url, proc, 300.0, path="/v1/models", poll_s=1.0)
                 for rps, base in zip(rates, traces, strict=True):
                     load_before = os.getloadavg()[0]
                     config = BenchConfig(url, base, RateSpec(rps), endpoint="chat", slo=LIVE_SLO)
@@ -363,8 +340,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
                         }
                     )
             finally:
-                proc.terminate()
-                proc.wait(60)
+                stop(proc, grace_s=60)
             out[name] = {"layout": layout, "sweep": rows, "at_90": goodput_at_attainment(rows)}
     return out
 
