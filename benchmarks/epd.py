@@ -57,10 +57,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import resource  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
@@ -267,84 +264,6 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-LIVE_SLO = GoodputSLO(ttft_ms=2000, tpot_ms=200)
-LIVE_LAYOUTS = {
-    "epd": {"encode": 1, "prefill": 1, "decode": 1},
-    "encode_colocated": {"encode": 0, "prefill": 2, "decode": 1},
-}
-
-
-def _serve(layout: dict[str, int], port: int, folder: Path) -> subprocess.Popen[bytes]:
-    config = {
-        "model": {"name": "tiny-vl"},
-        "engine": {"device": "cpu", "num_threads": 1, "block_size": 4},
-        "workers": {"mode": "disaggregated", "mixed": 0, "num_cpus": 0, **layout},
-        "kvtransfer": {"backend": "nixl"},
-        "router": {"policy": "slo_goodput"},
-        "gateway": {"host": "127.0.0.1", "port": port},
-    }
-    path = folder / f"serve-{port}.json"  # JSON is YAML
-    path.write_text(json.dumps(config))
-    log = (folder / f"serve-{port}.log").open("wb")
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--config", str(path)]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-
-
-def live(args: argparse.Namespace) -> dict[str, Any]:
-    """Each layout served once and loaded at each rate in turn (ascending), the same
-    trace shape at every rate but a new seed per rate (a repeated trace would hit the
-    encoder-output and prefix caches); both layouts get the same traces."""
-    from loadgen.client import BenchConfig, run_bench
-    from loadgen.metrics import compute_summary
-    from loadgen.scenario import build_requests
-    from loadgen.server_proc import free_port, stop, wait_until_serving  # imports torch
-
-    rates = sorted(args.rate)
-    traces = [
-        replace(
-            workload(args.num_requests, args.seed + i, args.burstiness),
-            input_len="uniform:16-64",
-            output_len="uniform:8-24",
-            image_size="336",
-        )
-        for i in range(len(rates))
-    ]
-    out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, layout in LIVE_LAYOUTS.items():
-            port = free_port()
-            proc = _serve(layout, port, Path(tmp))
-            rows = []
-            try:
-                url = f"http://127.0.0.1:{port}"
-                wait_until_serving(url, proc, 300.0, path="/v1/models", poll_s=1.0)
-                for rps, base in zip(rates, traces, strict=True):
-                    load_before = os.getloadavg()[0]
-                    config = BenchConfig(url, base, RateSpec(rps), endpoint="chat", slo=LIVE_SLO)
-                    result = run_bench(config)
-                    images = {
-                        s.request_id for s in build_requests(base, RateSpec(rps)) if s.image_sides
-                    }
-                    text = [r for r in result.records if r.request_id not in images]
-                    text_summary = compute_summary(text, 1.0, LIVE_SLO)
-                    s = result.summary
-                    rows.append(
-                        {
-                            "rate_rps": rps,
-                            "p90_ttft_ms": s["p90_ttft_ms"],
-                            "text_p90_ttft_ms": text_summary["p90_ttft_ms"],
-                            "request_goodput": s["request_goodput"],
-                            "slo_attainment": s["slo_attainment"],
-                            "failed": sum(not r.success for r in result.records),
-                            "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                        }
-                    )
-            finally:
-                stop(proc, grace_s=60)
-            out[name] = {"layout": layout, "sweep": rows, "at_90": goodput_at_attainment(rows)}
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, nargs="+", default=[16, 64])
@@ -376,8 +295,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.live:
+        from loadgen.scripts import load_script
+
         started_cpu = time.process_time()
-        result = live(args)
+        result = load_script(_HERE / "epd_live.py", "bench_epd_live").live(args)
         result["client_cpu_s"] = time.process_time() - started_cpu
         print(json.dumps(result, indent=2))
         return
