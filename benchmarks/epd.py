@@ -241,7 +241,7 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
     ratio."""
     from concurrent.futures import ProcessPoolExecutor
 
-    slos = [replace(SLO, ttft_ms=ttft_ms) for ttft_ms in args.ttft_ms]
+    slos = [replace(SLO, ttft_ms=ttft_ms) for ttft_ms in dict.fromkeys(args.ttft_ms)]
     out: dict[str, Any] = {
         "profile": PROFILE,
         "slo_ms": {"ttft": [slo.ttft_ms for slo in slos], "tpot": SLO.tpot_ms},
@@ -264,18 +264,16 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
             for name, grid in layouts(gpus).items()
             for layout in grid
         ]
+        runs: dict[float, list[tuple[str, dict[str, Any]]]] = {s.ttft_ms: [] for s in slos}
         with ProcessPoolExecutor(args.jobs) as pool:  # every target's splits in one pool
-            done = []
-            for k, (name, result) in enumerate(pool.map(_search, jobs), 1):
-                done.append((name, result))
-                print(
-                    progress_line(k, len(jobs), gpus, jobs[k - 1][-1], name, result),
-                    file=sys.stderr,
-                )
+            done = zip(jobs, pool.map(_search, jobs), strict=True)
+            for k, (job, (name, result)) in enumerate(done, 1):
+                slo = job[-1]
+                runs[slo.ttft_ms].append((name, result))
+                print(progress_line(k, len(jobs), gpus, slo, name, result), file=sys.stderr)
         by_target = out["results"][str(gpus)] = {}
         for slo in slos:
-            runs = [result for result, job in zip(done, jobs, strict=True) if job[-1] is slo]
-            entry = compare(runs, ladder_rates(gpus, args.ladder))
+            entry = compare(runs[slo.ttft_ms], ladder_rates(gpus, args.ladder))
             by_target[f"{slo.ttft_ms:g}"] = entry
             out["summary"].append(
                 {
