@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from kvtransfer.net import free_port
+from services.cluster.serve import ADDRESS_IN_USE_EXIT
 
 __all__ = [
     "ROOT",
@@ -24,6 +25,7 @@ __all__ = [
     "baton_serving",
     "child_env",
     "free_port",
+    "start_baton",
     "stop",
     "wait_until_serving",
 ]
@@ -84,17 +86,56 @@ def stop(proc: subprocess.Popen[bytes] | subprocess.Popen[str], grace_s: float =
     return int(proc.returncode)
 
 
+# A port is free when picked and bound a moment later, when the child has imported
+# its code (``baton serve`` binds before Ray starts): a port another process took in
+# between is picked again. ``baton serve`` says so with ``ADDRESS_IN_USE_EXIT``.
+_BIND_ATTEMPTS = 3
+
+
+def start_baton(
+    args: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 180.0,
+    path: str = "/v1/models",
+    poll_s: float = 1.0,
+    pipe_output: bool = False,
+) -> tuple[subprocess.Popen[str], str]:
+    """``python -m services.cli ARGS --port P`` (``serve`` or ``gateway``) on a free port,
+    picking another while the one picked is taken; returns the process and its base URL
+    once ``GET path`` answers 200. Its output goes to stderr (a benchmark's stdout is its
+    JSON lines), or to ``proc.stdout`` with ``pipe_output``. Raises ``NotServing``."""
+    for attempt in range(_BIND_ATTEMPTS):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args, "--port", str(port)],
+            cwd=ROOT,
+            env=child_env() if env is None else env,
+            stdout=subprocess.PIPE if pipe_output else sys.stderr,
+            stderr=subprocess.STDOUT if pipe_output else None,
+            text=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_serving(url, proc, timeout_s, path=path, poll_s=poll_s)
+        except NotServing:
+            stop(proc, grace_s=0)
+            if proc.returncode == ADDRESS_IN_USE_EXIT and attempt < _BIND_ATTEMPTS - 1:
+                continue
+            raise
+        except BaseException:
+            stop(proc, grace_s=0)
+            raise
+        return proc, url
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 @contextmanager
 def baton_serving(args: Sequence[str], timeout_s: float = 180.0) -> Iterator[str]:
     """``baton serve ARGS`` on a free 127.0.0.1 port, its own Ray, until the block ends;
     yields the base URL once ``/v1/models`` answers (its workers are up)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", *args, "--port", str(port)]
-    # Its output goes to stderr: a benchmark's stdout is its JSON lines.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_baton(["serve", *args], timeout_s=timeout_s)
     try:
-        wait_until_serving(url, proc, timeout_s, path="/v1/models", poll_s=1.0)
         yield url
     finally:
         stop(proc, grace_s=60)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,7 @@ from services.config import ClusterConfig, load_config
 from services.heap import freeze_startup_heap
 
 __all__ = [
+    "ADDRESS_IN_USE_EXIT",
     "add_arguments",
     "api_key",
     "build_config",
@@ -34,6 +37,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("baton.serve")
+
+# The exit status when the gateway's address is taken: told apart from the other
+# failures, so a script (or a test harness) can pick another port and start again.
+ADDRESS_IN_USE_EXIT = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +135,47 @@ async def serve(
     gateway_only: bool = False,
 ) -> int:
     """Serve until a signal; ``ray_address``: join that Ray cluster instead of starting one;
-    ``gateway_only``: the workers are the running control plane's (``baton gateway``)."""
+    ``gateway_only``: the workers are the running control plane's (``baton gateway``).
+    Returns the exit status: 0 after a clean stop, ``ADDRESS_IN_USE_EXIT`` when the
+    gateway's address is taken."""
+    # The address is taken before Ray, the workers and the model: a port in use is
+    # reported at once, not after minutes of loading, and nothing binds it meanwhile.
+    try:
+        listener = bind_listener(config.gateway.host, config.gateway.port)
+    except OSError as e:
+        where = f"{config.gateway.host}:{config.gateway.port}"
+        if e.errno == errno.EADDRINUSE:
+            print(f"baton: cannot listen on {where}: address already in use", file=sys.stderr)
+            return ADDRESS_IN_USE_EXIT
+        print(f"baton: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    try:
+        return await _serve_on(listener, config, log_level, ray_address, gateway_only)
+    finally:
+        listener.close()
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening: connections are refused
+    until the gateway serves), with ``SO_REUSEADDR`` as uvicorn binds its own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve_on(
+    listener: socket.socket,
+    config: ClusterConfig,
+    log_level: str,
+    ray_address: str | None,
+    gateway_only: bool,
+) -> int:
     import ray
 
     from services.gateway.app import create_app
@@ -165,7 +212,7 @@ async def serve(
         loop.add_signal_handler(sig, server.request_exit)
     announce = asyncio.create_task(_announce_when_started(server, config))
     try:
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
         announce.cancel()
         ray.shutdown()

@@ -37,8 +37,6 @@ pressure on each role is the same in units of the host's own speed: on 2 AVX2 co
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -54,7 +52,7 @@ from loadgen.client import BenchConfig, run_bench
 from loadgen.host_speed import measure_slowdown
 from loadgen.scenario import WorkloadConfig
 from loadgen.scripts import load_script
-from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
+from loadgen.server_proc import ROOT, start_baton, stop
 
 pytestmark = [pytest.mark.slow]
 
@@ -117,17 +115,13 @@ def run_phases(
     config["router"]["rebalance_interval_s"] = interval_s
     path = work / f"phases-{interval_s:g}.yaml"
     path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--config", str(path)]
-    cmd += ["--model", str(model), "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env())
-    url = f"http://127.0.0.1:{port}"
     from services.engine.loader import load_tokenizer
 
     tokenizer = load_tokenizer(str(model))
     good, by_phase, seen = 0, [], []
+    args = ["serve", "--config", str(path), "--model", str(model), "--log-level", "warning"]
+    proc, url = start_baton(args, timeout_s=300)
     try:
-        wait_until_serving(url, proc, 300, path="/v1/models", poll_s=1.0)
         base = BenchConfig(url, tokenizer=tokenizer, slo=slo)
         for name, workload in (*PHASES, PHASES[0]):
             phase = replace(workload, duration_s=scale.phase_s)

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
+from loadgen.server_proc import start_baton, stop
 
 
 class GatewayProcess:
     def __init__(self, ray_address: str, ready_s: float = 240.0) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "gateway", "--ray-address", ray_address,
-             "--port", str(self.port)],
-            cwd=ROOT,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        wait_until_serving(self.base_url, self.proc, ready_s)
+        self.proc, self.base_url = start_baton(
+            ["gateway", "--ray-address", ray_address],
+            timeout_s=ready_s,
+            path="/health",
+            poll_s=0.25,
+            pipe_output=True,
+        )
 
     def kill(self) -> None:
         """SIGKILL: no clean-up of any kind runs in the gateway."""
