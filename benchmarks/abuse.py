@@ -181,9 +181,8 @@ async def _measure(base: str, port: int, args: argparse.Namespace) -> dict[str, 
 
 
 def main() -> None:
-    import subprocess
 
-    from loadgen.server_proc import ROOT, child_env, free_port, stop, wait_until_serving
+    from loadgen.server_proc import child_env, start_baton, stop
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, default=4.0, help="normal requests per second")
@@ -193,14 +192,12 @@ def main() -> None:
     parser.add_argument("--tpot-ms", type=float, default=200.0)
     parser.add_argument("--ready-s", type=float, default=300.0)
     args = parser.parse_args()
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", "tiny"]
-    cmd += ["--prefill", "2", "--decode", "2", "--port", str(port), "--worker-cpus", "0"]
-    env = child_env(BATON_API_KEY=KEY)
-    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    serve = ["serve", "--model", "tiny", "--prefill", "2", "--decode", "2", "--worker-cpus", "0"]
+    server, base = start_baton(
+        serve, env=child_env(BATON_API_KEY=KEY), timeout_s=args.ready_s, path="/health"
+    )
+    port = int(base.rsplit(":", 1)[1])
     try:
-        wait_until_serving(base, server, args.ready_s)
         print(json.dumps(asyncio.run(_measure(base, port, args))), flush=True)
     finally:
         stop(server)

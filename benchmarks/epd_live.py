@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -32,20 +30,19 @@ LIVE_LAYOUTS = {
 }
 
 
-def _serve(layout: dict[str, int], port: int, folder: Path) -> subprocess.Popen[bytes]:
+def _serve_args(layout: dict[str, int], folder: Path) -> list[str]:
+    """``baton serve``'s arguments for ``layout`` (a config written to ``folder``)."""
     config = {
         "model": {"name": "tiny-vl"},
         "engine": {"device": "cpu", "num_threads": 1, "block_size": 4},
         "workers": {"mode": "disaggregated", "mixed": 0, "num_cpus": 0, **layout},
         "kvtransfer": {"backend": "nixl"},
         "router": {"policy": "slo_goodput"},
-        "gateway": {"host": "127.0.0.1", "port": port},
+        "gateway": {"host": "127.0.0.1"},
     }
-    path = folder / f"serve-{port}.json"  # JSON is YAML
+    path = folder / f"serve-{'-'.join(map(str, layout.values()))}.json"  # JSON is YAML
     path.write_text(json.dumps(config))
-    log = (folder / f"serve-{port}.log").open("wb")
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--config", str(path)]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    return ["serve", "--config", str(path)]
 
 
 def live(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,7 +52,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
     from loadgen.client import BenchConfig, run_bench
     from loadgen.metrics import compute_summary
     from loadgen.scenario import build_requests
-    from loadgen.server_proc import free_port, stop, wait_until_serving  # imports torch
+    from loadgen.server_proc import start_baton, stop  # imports torch
 
     rates = sorted(args.rate)
     traces = [
@@ -70,12 +67,9 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in LIVE_LAYOUTS.items():
-            port = free_port()
-            proc = _serve(layout, port, Path(tmp))
+            proc, url = start_baton(_serve_args(layout, Path(tmp)), timeout_s=300.0)
             rows = []
             try:
-                url = f"http://127.0.0.1:{port}"
-                wait_until_serving(url, proc, 300.0, path="/v1/models", poll_s=1.0)
                 for rps, base in zip(rates, traces, strict=True):
                     load_before = os.getloadavg()[0]
                     config = BenchConfig(url, base, RateSpec(rps), endpoint="chat", slo=LIVE_SLO)
