@@ -293,6 +293,7 @@ async def _serve_and_measure(workers: str, args: argparse.Namespace) -> dict[str
 
     from services.cluster.factories import EngineFactory
     from services.cluster.launchers import RayLauncher, launch_in_process
+    from services.cluster.serve import bind_listener
     from services.cluster.specs import worker_specs
     from services.engine.loader import load_tokenizer
     from services.gateway.app import create_app
@@ -303,9 +304,7 @@ async def _serve_and_measure(workers: str, args: argparse.Namespace) -> dict[str
     settings = GatewaySettings(config.gateway, config.router, config.model, "none")
     launcher = RayLauncher(num_cpus=0, num_gpus=0) if workers == "ray" else launch_in_process
     svc = GatewayService(settings, load_tokenizer(MODEL), specs, launcher)
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_listener("127.0.0.1", 0)  # as ``baton serve`` binds (TCP_NODELAY)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(svc), log_level="warning"))
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -286,6 +285,7 @@ async def _profile(model: str, tokenizer: str, args: argparse.Namespace) -> dict
 
     from services.cluster.factories import EngineFactory
     from services.cluster.launchers import RayLauncher, launch_in_process
+    from services.cluster.serve import bind_listener
     from services.cluster.specs import worker_specs
     from services.engine.loader import load_tokenizer
     from services.gateway.app import create_app
@@ -296,8 +296,7 @@ async def _profile(model: str, tokenizer: str, args: argparse.Namespace) -> dict
     settings = GatewaySettings(config.gateway, config.router, config.model, "none")
     launcher = RayLauncher(num_cpus=0, num_gpus=0) if args.workers == "ray" else launch_in_process
     svc = GatewayService(settings, load_tokenizer(model), specs, launcher)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_listener("127.0.0.1", 0)  # as ``baton serve`` binds (TCP_NODELAY)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(svc), log_level="warning"))
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -157,9 +157,12 @@ async def serve(
 
 def bind_listener(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not yet listening: connections are refused
-    until the gateway serves), with ``SO_REUSEADDR`` as uvicorn binds its own."""
+    until the gateway serves), with ``SO_REUSEADDR`` as uvicorn binds its own. It says
+    ``IPPROTO_TCP``: asyncio sets ``TCP_NODELAY`` only on connections accepted from such
+    a socket, and without it a response written in two parts (a 429's head, then its
+    body) waited for the client's delayed ACK, about 40 ms."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

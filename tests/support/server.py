@@ -7,7 +7,6 @@ there (to reach worker clients, the state, the executor) from a sync test.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Coroutine
@@ -15,6 +14,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
+from services.cluster.serve import bind_listener
 from services.gateway.app import create_app
 from services.gateway.connections import uvicorn_config
 from services.gateway.service import GatewayService
@@ -26,10 +26,7 @@ class ServedGateway:
     def __init__(self, svc: GatewayService, startup_timeout_s: float = 180.0) -> None:
         self.svc = svc
         self._timeout_s = startup_timeout_s
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so.
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock = bind_listener("127.0.0.1", 0)  # as ``baton serve`` binds
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn_config(
