@@ -181,6 +181,7 @@ async def _measure(base: str, port: int, args: argparse.Namespace) -> dict[str, 
 
 
 def main() -> None:
+    from urllib.parse import urlsplit
 
     from loadgen.server_proc import child_env, start_baton, stop
 
@@ -196,9 +197,8 @@ def main() -> None:
     server, base = start_baton(
         serve, env=child_env(BATON_API_KEY=KEY), timeout_s=args.ready_s, path="/health"
     )
-    port = int(base.rsplit(":", 1)[1])
     try:
-        print(json.dumps(asyncio.run(_measure(base, port, args))), flush=True)
+        print(json.dumps(asyncio.run(_measure(base, urlsplit(base).port, args))), flush=True)
     finally:
         stop(server)
 

@@ -30,8 +30,8 @@ LIVE_LAYOUTS = {
 }
 
 
-def _serve_args(layout: dict[str, int], folder: Path) -> list[str]:
-    """``baton serve``'s arguments for ``layout`` (a config written to ``folder``)."""
+def _serve_args(name: str, layout: dict[str, int], folder: Path) -> list[str]:
+    """``baton serve``'s arguments for ``layout`` (its config written to ``folder``)."""
     config = {
         "model": {"name": "tiny-vl"},
         "engine": {"device": "cpu", "num_threads": 1, "block_size": 4},
@@ -40,7 +40,7 @@ def _serve_args(layout: dict[str, int], folder: Path) -> list[str]:
         "router": {"policy": "slo_goodput"},
         "gateway": {"host": "127.0.0.1"},
     }
-    path = folder / f"serve-{'-'.join(map(str, layout.values()))}.json"  # JSON is YAML
+    path = folder / f"serve-{name}.json"  # JSON is YAML
     path.write_text(json.dumps(config))
     return ["serve", "--config", str(path)]
 
@@ -67,7 +67,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in LIVE_LAYOUTS.items():
-            proc, url = start_baton(_serve_args(layout, Path(tmp)), timeout_s=300.0)
+            proc, url = start_baton(_serve_args(name, layout, Path(tmp)), timeout_s=300.0)
             rows = []
             try:
                 for rps, base in zip(rates, traces, strict=True):

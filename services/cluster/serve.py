@@ -143,12 +143,11 @@ async def serve(
     try:
         listener = bind_listener(config.gateway.host, config.gateway.port)
     except OSError as e:
+        in_use = e.errno == errno.EADDRINUSE
+        reason = "address already in use" if in_use else e.strerror or str(e)
         where = f"{config.gateway.host}:{config.gateway.port}"
-        if e.errno == errno.EADDRINUSE:
-            print(f"baton: cannot listen on {where}: address already in use", file=sys.stderr)
-            return ADDRESS_IN_USE_EXIT
-        print(f"baton: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        print(f"baton: cannot listen on {where}: {reason}", file=sys.stderr)
+        return ADDRESS_IN_USE_EXIT if in_use else 1
     try:
         return await _serve_on(listener, config, log_level, ray_address, gateway_only)
     finally:
