@@ -2,7 +2,7 @@
 saturation rate, then offered 2x and 3x that rate (loadgen/overload.py).
 
     python benchmarks/overload.py [--model medium|small|tiny|DIR] [--policy slo_goodput]
-        [--rates auto|4,8,12,16] [--start-rate 1] [--duration 30] [--over-duration S]
+        [--rates auto|4,8,12,16] [--start-rate auto|1] [--duration 30] [--over-duration S]
         [--warm-up-rate 1] [--warm-up-s 10] [--slo-scale auto] [--rebalance]
 
 One JSON object per line: each run's row, then a summary with each factor's goodput as
@@ -15,7 +15,11 @@ built in a temporary folder: its workers' compute, not the gateway's and the loa
 generator's per-request HTTP work, sets the saturation rate (about 9 req/s on 2 AVX-512
 cores; 2-3 req/s on 2 AVX2 cores), as on GPUs. ``--rates auto`` (the default) climbs
 from ``--start-rate`` by 1.5x a run until one run is past saturation, so the sweep
-finds the knee of whatever machine it runs on. ``small`` (15M, hidden 384, 6 layers)
+finds the knee of whatever machine it runs on. ``--start-rate auto`` (the default)
+starts at ``AUTO_START_RPS`` divided by the host's slowdown (the one the SLO is scaled
+by): about 45% of the saturation rate, on any host, so the sweep spends no run far
+below the knee (from 1 req/s on the reference host it ran 1, 1.5 and 2.25 req/s first,
+a third of the sweep's time, for rows that only show an idle cluster). ``small`` (15M, hidden 384, 6 layers)
 saturates near 30 req/s on the AVX-512 machine, where 3x is ~90 req/s of HTTP from a
 client on the same 2 cores as the engines: that measures the box (3x held 0.85-0.92 of
 peak), not admission. ``tiny`` saturates near 40 req/s there.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -48,6 +53,10 @@ from loadgen.server_proc import baton_serving  # noqa: E402
 from services.heap import freeze_startup_heap  # noqa: E402
 
 SLO = GoodputSLO(ttft_ms=2000, tpot_ms=200)
+# ``--start-rate auto``'s first rate on the reference host (2 AVX-512 cores, where the
+# medium model saturates near 7.6 req/s): 1.5^3, so the sweep's rates there are those
+# the climb from 1 req/s reached, without its first three runs.
+AUTO_START_RPS = 3.375
 WORKLOAD = WorkloadConfig(input_len="lognormal:mean=200,sigma=0.8", output_len="48", seed=1)
 
 
@@ -97,7 +106,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
     if model in ("small", "medium"):
         save = save_small_llama if model == "small" else save_medium_llama
         model = str(save(work / f"{model}-llama"))
-    slo = scaled_slo(args.slo_scale, work)
+    slowdown = host_slowdown(args.slo_scale, work)
+    slo = SLO.scaled(slowdown)
+    start_rate = first_sweep_rate(args.start_rate, slowdown)
     config_path = work / "overload.yaml"
     serve = serve_config(args.policy, args.rebalance, args.max_hold, slo)
     config_path.write_text(yaml.safe_dump(serve))
@@ -113,7 +124,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
             workload=WORKLOAD,
             slo=slo,
             rates=[] if args.rates == "auto" else [float(r) for r in args.rates.split(",")],
-            start_rate=args.start_rate,
+            start_rate=start_rate,
             warm_up_rate=args.warm_up_rate,
             warm_up_s=args.warm_up_s,
             duration_s=args.duration,
@@ -122,20 +133,41 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
         )
         freeze_startup_heap()  # the client's full collections would delay the answers it times
         result = run_overload(config, report=lambda row: print(json.dumps(row), flush=True))
-    return result | {"slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms}}
+    return result | {
+        "slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
+        "host_slowdown": slowdown,
+        "start_rate": start_rate,
+    }
 
 
-def scaled_slo(scale: str, work: Path) -> GoodputSLO:
-    """``SLO`` times ``scale``; ``auto``: this host's slowdown against the machine the
-    targets were set on (``loadgen.host_speed``, measured here on the small model).
-    Unscaled on 2 AVX2 cores, the prompts' tail could not meet the TTFT target on an
-    idle cluster: 15% of a 1 req/s run was refused, and the sweep stopped there."""
-    factor = (
-        measure_slowdown(save_small_llama(work / "small-llama-speed"))
-        if scale == "auto"
-        else float(scale)
-    )
-    return SLO.scaled(factor)
+def host_slowdown(scale: str, work: Path) -> float:
+    """What the SLO's targets are multiplied by and the automatic start rate divided by:
+    ``scale``, or for ``auto`` this host's slowdown against the machine the targets were
+    set on (``loadgen.host_speed``, measured here on the small model). Unscaled on 2 AVX2
+    cores, the prompts' tail could not meet the TTFT target on an idle cluster: 15% of a
+    1 req/s run was refused, and the sweep stopped there."""
+    if scale == "auto":
+        return measure_slowdown(save_small_llama(work / "small-llama-speed"))
+    return float(scale)
+
+
+def first_sweep_rate(start_rate: float | str, slowdown: float) -> float:
+    """The climbing sweep's first rate, requests/s: ``start_rate``, or for ``auto``
+    ``AUTO_START_RPS`` over the host's slowdown (the knee moves with the host's speed)."""
+    return AUTO_START_RPS / slowdown if start_rate == "auto" else float(start_rate)
+
+
+def rate_or_auto(text: str) -> float | str:
+    """``--start-rate``'s value: ``auto`` or a rate above 0 (requests/s)."""
+    if text == "auto":
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if not rate > 0 or math.isinf(rate):
+        raise argparse.ArgumentTypeError(f"want auto or requests/s above 0, got {text!r}")
+    return rate
 
 
 def parser() -> argparse.ArgumentParser:
@@ -144,7 +176,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="medium", help="medium, small, tiny, or a local model folder")
     p.add_argument("--policy", default="slo_goodput")
     p.add_argument("--rates", default="auto", help="sweep, requests/s; auto: climb to the knee")
-    p.add_argument("--start-rate", type=float, default=1.0, help="auto: first rate, requests/s")
+    p.add_argument(
+        "--start-rate",
+        type=rate_or_auto,
+        default="auto",
+        help="the climbing sweep's first rate, requests/s; auto: AUTO_START_RPS over the "
+        "host's slowdown (about 45%% of the saturation rate)",
+    )
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     p.add_argument(
         "--over-duration",

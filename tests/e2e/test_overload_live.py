@@ -37,7 +37,8 @@ def test_goodput_at_2x_and_3x_saturation_holds_90_percent_of_peak_with_quick_ref
 ) -> None:
     bench = load_script(ROOT / "benchmarks" / "overload.py", "bench_overload")
     # make bench-overload's defaults (2 prefill + 2 decode, the 53M model, slo_goodput,
-    # SLO scaled to the host, a climbing sweep, 30 s windows), refusing at once.
+    # SLO scaled to the host, a climbing sweep from about 45% of the host's saturation
+    # rate, 30 s windows), refusing at once.
     args = bench.parser().parse_args(["--max-hold", "0"])
     result = bench.measure(args, tmp_path)
 
