@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -156,6 +156,29 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers())
 
 
+def validation_error(errors: Sequence[Any]) -> BadRequest:
+    """The 400 for a body FastAPI could not validate: the first error, naming its field;
+    a body that is not JSON, or not a JSON object, is said to be so (pydantic's own words
+    for those name no field, or a character offset as if it were one)."""
+    first = errors[0] if errors else {}
+    kind = first.get("type")
+    loc = tuple(first.get("loc", ()))
+    if kind == "json_invalid":
+        reason = first.get("ctx", {}).get("error") or "cannot be decoded"
+        at = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+        where = "" if at is None else f" (at character {at})"
+        return BadRequest(f"the request body is not valid JSON: {reason}{where}")
+    if loc == ("body",):
+        if kind == "missing":
+            return BadRequest("the request body is empty: send a JSON object")
+        return BadRequest("the request body must be a JSON object")
+    fields = [str(part) for part in loc if part != "body"]
+    message = str(first.get("msg", "invalid request"))
+    if fields:
+        message += f" ({'.'.join(fields)})"
+    return BadRequest(message, ".".join(fields) or None)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -163,11 +186,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{first.get('msg', 'invalid request')}" + (f" ({'.'.join(loc)})" if loc else "")
-        return _error_response(BadRequest(message, ".".join(loc) or None))
+        return _error_response(validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -114,3 +114,28 @@ async def test_ready_lists_every_worker(gateway: Any) -> None:
         ("prefill", "ready"),
     ]
     assert (await client.get("/health")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{not json", "the request body is not valid JSON: Expecting property name"),
+        (b'{"model": 1,', "(at character 12)"),
+        (b"", "the request body is empty"),
+        (b"[1]", "the request body must be a JSON object"),
+        (b'"hello"', "the request body must be a JSON object"),
+    ],
+)
+async def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(
+    gateway: Any, body: bytes, says: str
+) -> None:
+    _, client = await gateway()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = await client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        # No field to name: a character offset is not a parameter.
+        assert says in error["message"] and error["param"] is None, error
+    # The server keeps serving.
+    ok = await client.post("/v1/completions", json=BODY)
+    assert ok.status_code == 200, ok.text
