@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -191,9 +192,16 @@ def _choice_ebnf(spec: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+# xgrammar's C++ errors lead with "[HH:MM:SS] /path/to/file.cc:LINE: ": where it was
+# raised, which says nothing to the client.
+_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    return _SOURCE_PREFIX.sub("", text.splitlines()[0])[:300]
 
 
 def apply_grammar_masks(

@@ -163,6 +163,20 @@ def test_bad_constraints_are_refused_fast_and_the_engine_keeps_serving(
     assert len(ids) == 3
 
 
+def test_a_refused_constraint_says_why_without_where_in_xgrammar_it_was_raised(
+    engine: LLMEngine,
+) -> None:
+    schema = json.dumps({"type": "nonsense"})
+    structured = StructuredOutput("json", schema, param="response_format")
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request(
+            EngineRequest("bad", (1, 2, 3), SamplingParams(max_tokens=4, structured=structured))
+        )
+    message = str(e.value)
+    assert message.startswith('invalid json constraint: Unsupported type "nonsense"'), message
+    assert ".cc:" not in message, message
+
+
 def test_logit_bias_forces_and_forbids_tokens(engine: LLMEngine) -> None:
     base, _ = _run(engine, "base", "hello", max_tokens=6, temperature=0.0, ignore_eos=True)
     forced, _ = _run(
