@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from services.cluster.control_plane import NAMESPACE, find_control_plane
+    from services.engine.messages import EngineError
 
     ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
     plane = find_control_plane()
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         serve_cli.check_backend_options(config)
-    except (ValueError, KeyError, OSError) as e:
+        serve_cli.check_model_here(config)
+    except (ValueError, KeyError, OSError, EngineError) as e:
         print(f"baton gateway: invalid configuration: {e}", file=sys.stderr)
         return 2
     return asyncio.run(

@@ -32,6 +32,7 @@ __all__ = [
     "build_config",
     "build_gateway",
     "check_backend_options",
+    "check_model_here",
     "run",
     "serve",
 ]
@@ -117,10 +118,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from services.engine.messages import EngineError  # with torch: not for every command
+
     try:
         config = build_config(args)
         check_backend_options(config)
-    except (ValueError, KeyError, OSError) as e:
+        check_model_here(config)
+    except (ValueError, KeyError, OSError, EngineError) as e:
         print(f"baton serve: invalid configuration: {e}", file=sys.stderr)
         return 2
     ray_address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
@@ -315,6 +319,15 @@ def check_backend_options(config: ClusterConfig) -> None:
             f"engine.vllm is set but engine.backend is {config.engine.backend!r}; "
             "set engine.backend: vllm or remove engine.vllm"
         )
+
+
+def check_model_here(config: ClusterConfig) -> None:
+    """Refuse, before Ray starts, a model this machine cannot read: the gateway loads
+    its tokenizer here (``ModelLoadError``: a built-in name or a local folder with a
+    config.json, never a download)."""
+    from services.engine.loader import check_model_source
+
+    check_model_source(config.model.name)
 
 
 def _local_gpus(config: ClusterConfig) -> bool:

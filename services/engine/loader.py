@@ -33,7 +33,14 @@ from services.engine.tiny import TINY_ARGS, TINY_NAME, build_tiny_model
 from services.engine.tiny_vl import TINY_VL_NAME, build_tiny_vl, build_tiny_vl_tokenizer
 from services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["LoadedModel", "load_causal_lm", "load_model", "load_tokenizer", "resolve_dtype"]
+__all__ = [
+    "LoadedModel",
+    "check_model_source",
+    "load_causal_lm",
+    "load_model",
+    "load_tokenizer",
+    "resolve_dtype",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -115,12 +122,19 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     return HFTokenizer(folder, extra_eos_token_ids=_read_args(folder).eos_token_ids)
 
 
+def check_model_source(name_or_path: str) -> None:
+    """Raise ``ModelLoadError`` unless ``name_or_path`` is a built-in model or a folder
+    with a config.json: what ``baton serve`` checks before it starts anything."""
+    if name_or_path not in (TINY_NAME, TINY_VL_NAME):
+        _model_folder(name_or_path)
+
+
 def _model_folder(name_or_path: str) -> Path:
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(
             f"model {name_or_path!r} is neither a local folder nor a built-in model "
-            f"({TINY_NAME!r}); models are never downloaded"
+            f"({TINY_NAME!r}, {TINY_VL_NAME!r}); models are never downloaded"
         )
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"no config.json in model folder {folder}")

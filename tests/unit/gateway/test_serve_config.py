@@ -98,3 +98,28 @@ def test_vllm_with_encode_workers_pulls_embeddings_and_encodes_on_baton_s_engine
     colocated = config.with_overrides({"workers.mode": "colocated"})
     assert factories_for(colocated)[1] is None
     assert [s.role for s in worker_specs(colocated, *factories_for(colocated))] == [Role.MIXED] * 2
+
+
+@pytest.mark.parametrize("folder", ["missing", "no-config"])
+def test_a_model_this_machine_cannot_read_is_refused_before_ray_starts(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    folder: str,
+) -> None:
+    from services.cluster import serve
+
+    (tmp_path / "no-config").mkdir()
+    started: list[object] = []
+    monkeypatch.setattr(serve, "serve", lambda *a, **k: started.append(a))  # must not run
+    status = serve.run(parse("--model", str(tmp_path / folder), "--port", "1"))
+    assert status == 2 and not started
+    err = capsys.readouterr().err
+    assert err.startswith("baton serve: invalid configuration: ") and str(tmp_path / folder) in err
+
+
+def test_the_built_in_models_need_no_folder() -> None:
+    from services.cluster.serve import check_model_here
+
+    for name in ("tiny", "tiny-vl"):
+        check_model_here(build_config(parse("--model", name), {}))
