@@ -294,9 +294,10 @@ async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
         for sock in s.sockets:
             host, port = sock.getsockname()[:2]
     w = config.workers
+    encode = f"{w.encode} encode, " if w.encode else ""
     print(
         f"Baton is serving {config.model.public_name!r} at http://{host}:{port}/v1 "
-        f"({w.mode}: {w.prefill} prefill, {w.decode} decode, {w.mixed} mixed; "
+        f"({w.mode}: {encode}{w.prefill} prefill, {w.decode} decode, {w.mixed} mixed; "
         f"kv={config.kvtransfer.backend})",
         flush=True,
     )

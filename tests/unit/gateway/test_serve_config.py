@@ -123,3 +123,28 @@ def test_the_built_in_models_need_no_folder() -> None:
 
     for name in ("tiny", "tiny-vl"):
         check_model_here(build_config(parse("--model", name), {}))
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--encode", "1"), "(disaggregated: 1 encode, 1 prefill, 1 decode, 0 mixed; kv=nixl)"),
+        ((), "(disaggregated: 1 prefill, 1 decode, 0 mixed; kv=nixl)"),
+    ],
+)
+def test_the_serving_line_counts_every_worker_group(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: tuple[str, ...],
+    says: str,
+) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.cluster import serve
+
+    monkeypatch.setattr(serve, "freeze_startup_heap", lambda: None)  # not this process's heap
+    config = build_config(parse("--config", "deploy/configs/local.yaml", *argv), {})
+    started = SimpleNamespace(started=True, servers=[])
+    asyncio.run(serve._announce_when_started(started, config))
+    assert capsys.readouterr().out.rstrip().endswith(says)
