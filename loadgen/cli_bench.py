@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             result = run_bench(config, progress=ProgressBar(label) if interactive else None)
+        except WorkloadError as e:  # found before the first request: images, completions
+            print(f"baton bench: {e}", file=sys.stderr)
+            return 2
         except (httpx.HTTPError, OSError, RuntimeError) as e:  # unreachable, no model listed
             print(f"baton bench: {args.base_url}: {e}", file=sys.stderr)
             return 1

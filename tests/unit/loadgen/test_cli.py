@@ -60,6 +60,17 @@ def test_bench_unreachable_server_fails_cleanly(capsys: pytest.CaptureFixture[st
     assert "127.0.0.1:9" in capsys.readouterr().err
 
 
+def test_bench_images_on_the_completions_endpoint_exit_2_before_any_request(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Port 9 answers nothing: a request sent would make this exit 1, naming the server.
+    argv = ["bench", "--base-url", "http://127.0.0.1:9", "--num-requests", "2"]
+    assert main([*argv, "--images-per-request", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "baton bench: image requests need the chat endpoint (--endpoint chat)"
+    )
+
+
 def test_simulate_sweep(tmp_path: Path) -> None:
     argv = [
         "simulate",
