@@ -174,6 +174,34 @@ def test_cli_prints_the_plan(tmp_path, capsys) -> None:
     assert (out["num_prefill"], out["num_decode"]) == (3, 2)
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--rate", "0"], "--rate must be a number above 0, got 0"),
+        (["--rate", "nan"], "--rate must be a number above 0, got nan"),
+        (["--rate", "5", "--tpot-ms", "-1"], "--tpot-ms must be a number above 0"),
+        (["--rate", "5", "--utilization", "1"], "--utilization must be between 0 and 1"),
+        (["--rate", "5", "--prefix-hit-tokens", "1024"], "below --prompt-tokens (1024)"),
+        (["--rate", "5", "--profile", "{missing}"], "missing.json: No such file"),
+        (["--rate", "5", "--profile", "{text}"], "text.json: not a profile JSON"),
+        (["--rate", "5", "--profile", "{partial}"], "missing field 'hardware'"),
+    ],
+)
+def test_cli_refuses_bad_input_in_one_line_naming_the_flag(
+    tmp_path, capsys, argv: list[str], says: str
+) -> None:
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "partial.json").write_text('{"model": "m"}')
+    files = {name: str(tmp_path / f"{name}.json") for name in ("missing", "text", "partial")}
+    parser = argparse.ArgumentParser()
+    cli_plan.add_arguments(parser)
+    args = parser.parse_args([a.format(**files) for a in argv])
+    assert cli_plan.run(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("baton plan: "), captured
+    assert says in captured.err and len(captured.err.splitlines()) == 1, captured.err
+
+
 def test_pressure_from_a_view_drives_the_flip() -> None:
     from router.types import Role
     from tests.unit.router.builders import busy, policy, view, worker
