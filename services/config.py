@@ -286,7 +286,18 @@ def load_config(path: str | Path | None) -> ClusterConfig:
     if path is None:
         return ClusterConfig()
     text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML{_yaml_where(e)}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     return ClusterConfig.model_validate(data)
+
+
+def _yaml_where(e: yaml.YAMLError) -> str:
+    """' at line L, column C: what the parser found' (1-based), as far as it says."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+    return f"{where}: {problem}" if problem else where

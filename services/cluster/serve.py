@@ -304,11 +304,18 @@ async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
 
 
 def check_backend_options(config: ClusterConfig) -> None:
-    """Refuse, before any worker starts, backend options the backend does not take,
+    """Refuse, before any worker starts, a router policy that does not exist (the
+    gateway would fall back to round_robin), backend options the backend does not take,
     a tool-call parser nobody provides and a key file the gateway could not read."""
+    from router import available_policies
     from services.gateway.access import key_table
     from services.gateway.parsers import check_tool_call_parser
 
+    if config.router.policy not in available_policies():
+        raise ValueError(
+            f"router.policy {config.router.policy!r} is not a policy; "
+            f"available: {', '.join(available_policies())}"
+        )
     check_tool_call_parser(config.gateway.tool_call_parser)
     key_table(config.gateway)
     if config.engine.backend == "vllm":

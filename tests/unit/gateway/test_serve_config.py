@@ -148,3 +148,32 @@ def test_the_serving_line_counts_every_worker_group(
     started = SimpleNamespace(started=True, servers=[])
     asyncio.run(serve._announce_when_started(started, config))
     assert capsys.readouterr().out.rstrip().endswith(says)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("workers: [1\n", "not valid YAML at line 2, column 1: expected ',' or ']'"),
+        ("a: b: c\n", "not valid YAML at line 1, column 5: mapping values are not allowed"),
+        ("- 1\n", "expected a mapping at the top level"),
+        ("workers:\n  prefil: 2\n", "workers.prefil"),
+        ("router:\n  policy: round_robn\n", "router.policy 'round_robn' is not a policy"),
+    ],
+)
+def test_a_bad_config_file_exits_2_before_anything_starts(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    text: str,
+    says: str,
+) -> None:
+    from services.cluster import serve
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    started: list[object] = []
+    monkeypatch.setattr(serve, "serve", lambda *a, **k: started.append(a))  # must not run
+    assert serve.run(parse("--config", str(path))) == 2 and not started
+    err = capsys.readouterr().err
+    assert err.startswith("baton serve: invalid configuration: ") and says in err, err
+    assert "Traceback" not in err
