@@ -36,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    parser.add_argument("--version", action="version", version=f"baton {_version()}")
+    if args_list[:1] == ["--version"]:
+        parser.parse_args(args_list[:1])  # prints it and exits 0
     if not args_list or args_list[0] not in SUBCOMMANDS:
         parser.print_help()
         return 0 if not args_list or args_list[0] in ("-h", "--help") else 2
@@ -49,6 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = sub_parser.parse_args(args_list[1:])
     result: int | None = module.run(args)
     return int(result or 0)
+
+
+def _version() -> str:
+    """The installed package's version (a source tree run without installing: unknown)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("baton")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

@@ -104,3 +104,14 @@ def test_bad_flag_values_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--input-len", "uniform:9", "--rate", "1"]) == 2
     assert "LOW-HIGH" in capsys.readouterr().err
     assert main(["simulate", "--goodput", "ttfx:3", "--rate", "1"]) == 2
+
+
+def test_version_prints_the_installed_package_version(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"baton {version('baton')}"
