@@ -37,7 +37,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,12 +126,13 @@ async def _prefill_points(
     lens: Sequence[int],
     repeats: int,
     idle_s: float,
+    say: Callable[[str], None],
 ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """(tokens, median TTFT s) per prompt length, and (tokens, median hand-off gap s):
     the gap between the first and second token, which spans the KV pull to the
     decode worker plus one decode step."""
     points, handoffs = [], []
-    for n in lens:
+    for k, n in enumerate(lens, 1):
         ttfts: list[float] = []
         gaps: list[float] = []
         for r in range(repeats + 1):  # the first of each length warms up
@@ -149,6 +150,7 @@ async def _prefill_points(
         points.append((n, statistics.median(ttfts)))
         if gaps:
             handoffs.append((n, statistics.median(gaps)))
+        say(f"prefill {k}/{len(lens)}: {n} tokens, median TTFT {points[-1][1] * 1e3:.1f} ms")
     return points, handoffs
 
 
@@ -162,6 +164,7 @@ async def _decode_points(
     num_tokens: int,
     repeats: int,
     idle_s: float,
+    say: Callable[[str], None],
 ) -> list[tuple[int, int, float]]:
     """(batch, total context tokens, step s) per probe: see the module docstring."""
 
@@ -182,6 +185,7 @@ async def _decode_points(
         return statistics.median(r.e2el_s for r in recs if r.e2el_s is not None)
 
     points = []
+    total = len(contexts) * len(batches)
     for ctx in contexts:
         for batch in batches:
             steps = []
@@ -190,17 +194,26 @@ async def _decode_points(
                 long = await round_e2el(batch, ctx, 2 * num_tokens)
                 steps.append((long - short) / num_tokens)
             points.append((batch, batch * (ctx + num_tokens), max(0.0, statistics.median(steps))))
+            say(
+                f"decode {len(points)}/{total}: batch {batch}, {ctx}-token prompts, "
+                f"step {points[-1][2] * 1e3:.2f} ms"
+            )
     return points
 
 
-async def measure_profile(args: argparse.Namespace) -> Profile:
+async def measure_profile(
+    args: argparse.Namespace, progress: Callable[[str], None] | None = None
+) -> Profile:
+    """The profile of the server at ``args.base_url``; ``progress`` sees a line per
+    prompt length and per decode probe as each is measured."""
+    say = progress or (lambda _: None)
     base = args.base_url.rstrip("/")
     kind = args.endpoint
     url = f"{base}/v1/chat/completions" if kind == "chat" else f"{base}/v1/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
         model = args.model or await discover_model(client, base)
         prefill, handoffs = await _prefill_points(
-            client, url, kind, model, _ints(args.prefill_lens), args.repeats, args.idle_s
+            client, url, kind, model, _ints(args.prefill_lens), args.repeats, args.idle_s, say
         )
         decode = await _decode_points(
             client,
@@ -212,6 +225,7 @@ async def measure_profile(args: argparse.Namespace) -> Profile:
             args.decode_tokens,
             args.repeats,
             args.idle_s,
+            say,
         )
     n = np.array([p[0] for p in prefill], dtype=float)
     p_coeffs = fit_robust(
@@ -267,9 +281,13 @@ def _fit_transfer_latency(
     return TransferCoeffs(bandwidth_bytes_per_s=bw, latency_s=float(latency_s))
 
 
+def _to_stderr(line: str) -> None:
+    print(f"baton profile: {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        profile = asyncio.run(measure_profile(args))
+        profile = asyncio.run(measure_profile(args, progress=_to_stderr))
     except (httpx.HTTPError, OSError, RuntimeError) as e:
         print(f"baton profile: {e}", file=sys.stderr)
         return 1

@@ -33,7 +33,9 @@ def test_fit_robust_ignores_one_stall() -> None:
     assert fit_nonnegative(x, t)[0] > 0.02  # the plain fit is dragged off
 
 
-def test_profile_measures_prefill_and_decode(tmp_path: Path) -> None:
+def test_profile_measures_prefill_and_decode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     timing = Timing(first_s=0.01, first_per_prompt_char_s=5e-4, gap_s=0.01, gap_per_stream_s=0.004)
     out = tmp_path / "p.json"
     with serve(timing) as url:
@@ -72,3 +74,13 @@ def test_profile_measures_prefill_and_decode(tmp_path: Path) -> None:
     # Gaps grow with the number of concurrent streams: a positive per-sequence term.
     assert profile.decode.b + profile.decode.c * 20 > 0.001
     assert any("measured by `baton profile`" in s for s in profile.sources)
+    # Progress on stderr, a line per prompt length and per decode probe, as measured.
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "prefill 1/3",
+        "prefill 2/3",
+        "prefill 3/3",
+        "decode 1/2",
+        "decode 2/2",
+    ], lines
+    assert lines[2].startswith("baton profile: prefill 3/3: 400 tokens, median TTFT ")
