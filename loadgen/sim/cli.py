@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from loadgen.flags import add_workload_arguments, slo_from_args, sweep_from_args, workload_from_args
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     summaries = []
     for rate, concurrency in sweep:
+        label = rate.label if rate else f"concurrency {concurrency}"
         config = SimConfig(
             workload=workload,
             rate=rate,
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             rebalance=not args.no_rebalance,
             flip_latency_s=args.flip_latency,
+            progress=Progress(label),
         )
         try:
             result = simulate(config)
@@ -113,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"baton simulate: {e}", file=sys.stderr)
             return 2
         summaries.append(result.summary)
-        label = rate.label if rate else f"concurrency {concurrency}"
         if args.out is not None:
             out: Path = args.out if len(sweep) == 1 else args.out / _slug(label)
             write_run(out, result.summary, result.records)
@@ -126,6 +128,28 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None and len(sweep) > 1:
         write_sweep(args.out, summaries, label=summaries[0]["policy"])
     return 0
+
+
+class Progress:
+    """A line on stderr at most every ``every_s`` seconds of wall time while a run goes:
+    requests finished of all, and how far into the simulated run."""
+
+    def __init__(self, label: str, every_s: float = 2.0) -> None:
+        self.label = label
+        self.every_s = every_s
+        self._last_s = time.monotonic()
+
+    def __call__(self, done: int, total: int, simulated_s: float) -> None:
+        now = time.monotonic()
+        if now - self._last_s < self.every_s:
+            return
+        self._last_s = now
+        print(
+            f"baton simulate @ {self.label}: {done}/{total} requests finished, "
+            f"{simulated_s:.1f} simulated s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _slug(label: str) -> str:

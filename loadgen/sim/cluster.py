@@ -45,6 +45,7 @@ from router.types import SLO, Plan, RequestProfile, Role, StepSample
 __all__ = ["SimCluster"]
 
 _ARRIVAL, _RETRY, _STEP_END, _LANDED, _REBALANCE, _FLIPPED, _ENCODED = range(7)
+_PROGRESS_EVERY = 50_000  # events between progress calls (a few per second of CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +72,13 @@ class SimCluster:
         rebalance: bool = False,
         flip_latency_s: float = 0.5,
         image_tokens: ImageTokens | None = None,
+        progress: Callable[[int, int, float], None] | None = None,
     ) -> None:
         self.profile = profile
+        # Called every ``_PROGRESS_EVERY`` events with (requests finished, requests in
+        # all, simulated seconds).
+        self._progress = progress
+        self._num_requests = 0
         self.image_tokens = image_tokens or ImageTokens(0)
         self._encoder_free_s: dict[str, float] = {}  # encode worker -> when its queue empties
         self._parts_left: dict[str, int] = {}  # request id -> encode parts not landed yet
@@ -140,12 +146,14 @@ class SimCluster:
 
     # ---- driving ------------------------------------------------------------
     def run_open_loop(self, specs: list[RequestSpec]) -> None:
+        self._num_requests = len(specs)
         for spec in specs:
             self._push(spec.arrival_s, _ARRIVAL, self._new_request(spec, spec.arrival_s), 0)
         self._start_rebalancing(specs[0].arrival_s if specs else 0.0)
         self._loop()
 
     def run_closed_loop(self, specs: list[RequestSpec], concurrency: int) -> None:
+        self._num_requests = len(specs)
         self._pending = iter(specs)
         for _ in range(concurrency):
             self._send_next(0.0)
@@ -176,9 +184,12 @@ class SimCluster:
     def _loop(self) -> None:
         heap = self._heap
         pop = heapq.heappop
+        progress = self._progress
         while heap:
             now_s, _, kind, payload, version = pop(heap)
             self.num_events += 1
+            if progress is not None and not self.num_events % _PROGRESS_EVERY:
+                progress(len(self.records), self._num_requests, now_s)
             if kind == _STEP_END:
                 worker = payload
                 assert isinstance(worker, SimWorker)

@@ -60,6 +60,8 @@ class SimConfig:
     prior_output_len: int = 1024  # the estimator's pessimistic prior
     rebalance: bool = True  # the P/D ratio rebalancer, as served (policies with pressure)
     flip_latency_s: float = 0.5  # from a drained worker to its new role
+    # Called now and then with (requests finished, requests in all, simulated seconds).
+    progress: Callable[[int, int, float], None] | None = None
 
     def router_settings(self, profile: Profile) -> RouterSettings:
         settings = self.router or RouterSettings(profile=profile)
@@ -103,6 +105,7 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
         image_tokens=ImageTokens(
             config.image_tokens_per_image, config.image_tile_px, config.max_image_tiles
         ),
+        progress=config.progress,
     )
     started, started_cpu = time.perf_counter(), time.process_time()
     if config.rate is None:

@@ -243,3 +243,43 @@ def test_a_two_worker_cluster_becomes_two_mixed_under_shifting_traffic_and_serve
     assert flipping["role_flips"] == 2 and flipping["num_colocated"] == 0  # started 1P+1D
     assert fixed["role_flips"] == 0
     assert flipping["request_goodput"] > 1.03 * fixed["request_goodput"], (flipping, fixed)
+
+
+def test_progress_reports_finished_requests_as_the_run_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import loadgen.sim.cluster as sim_cluster
+
+    monkeypatch.setattr(sim_cluster, "_PROGRESS_EVERY", 10)  # events between calls
+    seen: list[tuple[int, int, float]] = []
+    config = SimConfig(
+        workload=WorkloadConfig(input_len="64", output_len="16", num_requests=30, seed=1),
+        rate=RateSpec(20.0),
+        num_prefill=1,
+        num_decode=1,
+        policy=RR,
+        profile=PROFILE,
+        progress=lambda done, total, at_s: seen.append((done, total, at_s)),
+    )
+    result = simulate(config)
+    assert len(seen) >= 5, seen
+    assert {total for _, total, _ in seen} == {30}
+    done, times = [d for d, _, _ in seen], [t for _, _, t in seen]
+    assert done == sorted(done) and times == sorted(times) and done[-1] > done[0]
+    assert done[-1] <= result.summary["completed"] == 30
+
+
+def test_the_cli_progress_line_waits_its_interval(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loadgen.sim import cli
+
+    clock = iter([0.0, 0.5, 2.5, 3.0, 5.0])  # at creation, then at each call
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
+    progress = cli.Progress("20", every_s=2.0)
+    for done in (1, 2, 3, 4):
+        progress(done, 10, done * 1.5)
+    assert capsys.readouterr().err.splitlines() == [
+        "baton simulate @ 20: 2/10 requests finished, 3.0 simulated s",
+        "baton simulate @ 20: 4/10 requests finished, 6.0 simulated s",
+    ]
