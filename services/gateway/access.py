@@ -9,14 +9,24 @@ Keys come from ``gateway.api_keys_file`` (names -> salted hashes + limits) and
 ``gateway.api_key`` (one key named ``default``, no limits); with neither, every
 request is let in. Counters go to ``/metrics`` by the key's name. Nothing here
 logs a key, a prompt or a completion.
+
+The key file is read again when it changes (``KeyFile``: its status looked at once a
+second at most, from the requests themselves): a key added, removed (``baton keys
+remove``) or given new limits takes effect without a restart, on every gateway that
+reads the file (a Kubernetes Secret's update reaches the mounted file by itself). A
+file changed into one the gateway would refuse keeps the keys it had, and says so in
+the log once per change.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 
+import yaml
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -27,7 +37,9 @@ from services.gateway.limits import Limited, RateLimiter, RateLimitStatus
 from services.gateway.prepare import Generation
 from services.metrics import BatonMetrics
 
-__all__ = ["AccessGate", "key_table", "rate_limit_headers"]
+__all__ = ["AccessGate", "KeyFile", "key_table", "rate_limit_headers"]
+
+log = logging.getLogger("baton.access")
 
 # answer(on_finish) -> the response; on_finish(num_completion_tokens) is called once, at the end.
 Answer = Callable[[Callable[[int], None]], Awaitable[Response]]
@@ -38,31 +50,106 @@ def key_table(gateway: GatewayConfig) -> KeyTable:
     entries: tuple[KeyEntry, ...] = ()
     if gateway.api_keys_file:
         entries += load_key_table(gateway.api_keys_file).entries
+        if not entries:
+            raise ValueError(
+                f"{gateway.api_keys_file}: no keys; every request would be refused "
+                "(`baton keys add NAME --file ...` makes one)"
+            )
     if gateway.api_key:
         entries += KeyTable.single(gateway.api_key).entries
     return KeyTable(entries)
 
 
+class KeyFile:
+    """The gateway's keys, read again from ``gateway.api_keys_file`` when the file's
+    status (modification time, size, inode) changes; looked at once per ``every_s`` at
+    most. The single ``gateway.api_key`` is hashed once and kept."""
+
+    def __init__(
+        self,
+        gateway: GatewayConfig,
+        clock: Callable[[], float] = time.monotonic,
+        every_s: float = 1.0,
+    ) -> None:
+        self.path = gateway.api_keys_file
+        self._single = KeyTable.single(gateway.api_key).entries if gateway.api_key else ()
+        self._clock = clock
+        self._every_s = every_s
+        self._status = self._stat()
+        file_entries = load_key_table(self.path).entries if self.path else ()
+        # With a key file, a key is required even when the file lists none (all removed).
+        self.table = KeyTable(file_entries + self._single, closed=self.path is not None)
+        self._next_s = clock() + every_s
+
+    def current(self) -> KeyTable:
+        """The table as the file is now (at most ``every_s`` old)."""
+        if self.path is None:
+            return self.table
+        now = self._clock()
+        if now < self._next_s:
+            return self.table
+        self._next_s = now + self._every_s
+        status = self._stat()
+        if status != self._status:
+            self._status = status
+            self._reload()
+        return self.table
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _reload(self) -> None:
+        try:
+            entries = load_key_table(self.path).entries if self.path else ()
+            table = KeyTable(entries + self._single, closed=True)
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            log.error("key file %s not reloaded, the keys stay as they were: %s", self.path, e)
+            return
+        before = {e.name for e in self.table.entries}
+        after = {e.name for e in table.entries}
+        self.table = table
+        log.info(
+            "key file %s reloaded: %d keys (added %s, removed %s)",
+            self.path,
+            len(after),
+            sorted(after - before) or "none",
+            sorted(before - after) or "none",
+        )
+
+
 class AccessGate:
     def __init__(
         self,
-        keys: KeyTable,
+        keys: KeyTable | KeyFile,
         metrics: BatonMetrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.keys = keys
+        self._keys = keys
         self.limiter = RateLimiter()
         self._metrics = metrics
         self._clock = clock
 
+    @property
+    def keys(self) -> KeyTable:
+        """The keys as they are now (a ``KeyFile``'s, read again when it changed)."""
+        keys = self._keys
+        return keys if isinstance(keys, KeyTable) else keys.current()
+
     async def authenticate(self, request: Request) -> None:
         # async: FastAPI runs a plain ``def`` dependency in a thread pool, a hop per request.
         request.state.api_key_entry = None
-        if self.keys.is_open:
+        keys = self.keys
+        if keys.is_open:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # Bytes: a header may carry any byte, and compare_digest refuses non-ASCII str.
-        entry = self.keys.find(token.strip().encode("utf-8", "surrogateescape"))
+        entry = keys.find(token.strip().encode("utf-8", "surrogateescape"))
         if scheme.lower() != "bearer" or entry is None:
             raise Unauthorized("Incorrect API key provided.", None, "invalid_api_key")
         request.state.api_key_entry = entry

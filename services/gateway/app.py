@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.access import AccessGate, key_table
+from services.gateway.access import AccessGate, KeyFile
 from services.gateway.bounds import check_bounds
 from services.gateway.errors import (
     APIError,
@@ -60,7 +60,7 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
     app = FastAPI(title="Baton", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=svc.settings.gateway.max_body_bytes)
     _add_error_handlers(app)
-    gate = AccessGate(key_table(svc.settings.gateway), svc.metrics)
+    gate = AccessGate(KeyFile(svc.settings.gateway), svc.metrics)
     auth = gate.authenticate
 
     def ready() -> None:

@@ -79,17 +79,19 @@ def _digest(salt: bytes, token: bytes) -> bytes:
 
 
 class KeyTable:
-    """The keys a gateway accepts; empty means no key is required."""
+    """The keys a gateway accepts; empty means no key is required, unless ``closed``
+    (a key file whose keys were all removed: every request is refused)."""
 
-    def __init__(self, entries: tuple[KeyEntry, ...] = ()) -> None:
+    def __init__(self, entries: tuple[KeyEntry, ...] = (), *, closed: bool = False) -> None:
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
             raise ValueError("key names must be unique")
         self.entries = entries
+        self.closed = closed
 
     @property
     def is_open(self) -> bool:
-        return not self.entries
+        return not self.entries and not self.closed
 
     def find(self, token: bytes) -> KeyEntry | None:
         """The entry whose key is ``token``: every entry is hashed and compared, whatever matches."""

@@ -172,3 +172,22 @@ async def test_concurrent_requests_over_the_cap_are_429_until_one_finishes() -> 
     await first
     assert (await gate.run(requests[2], gen, fast_answer)).status_code == 200
     assert gate.limiter.num_inflight("carol") == 0
+
+
+async def test_a_key_removed_from_the_file_is_refused_within_a_second_without_a_restart(
+    gateway: Any, key_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    _, client = await gateway(**{"gateway.api_keys_file": str(key_file)})
+    assert (await client.get("/v1/models", headers=_auth(BOB))).status_code == 200
+    assert main(["keys", "remove", "bob", "--file", str(key_file)]) == 0
+    await asyncio.sleep(1.05)  # the file's status is looked at once a second at most
+    refused = await client.get("/v1/models", headers=_auth(BOB))
+    assert refused.status_code == 401
+    assert (await client.get("/v1/models", headers=_auth(ALICE))).status_code == 200
+    # A key added meanwhile is taken the same way.
+    assert main(["keys", "add", "carol", "--file", str(key_file)]) == 0
+    carol = capsys.readouterr().out.strip()
+    await asyncio.sleep(1.05)
+    assert (await client.get("/v1/models", headers=_auth(carol))).status_code == 200

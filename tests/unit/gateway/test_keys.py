@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +86,71 @@ def test_single_key_is_held_only_hashed() -> None:
     (entry,) = table.entries
     assert entry.name == "default" and b"sekret" not in entry.digest + entry.salt
     assert table.find(b"sekret") is entry and table.find(b"sekre") is None
+
+
+# -- the gateway's key file, read again when it changes -------------------------------
+
+_ALICE, _BOB = "sk-baton-alice-0123456789", "sk-baton-bob-9876543210"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _key_file(tmp_path: Path, text: str) -> Any:
+    from services.config import GatewayConfig
+    from services.gateway.access import KeyFile
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    clock = _Clock()
+    return path, clock, KeyFile(GatewayConfig(api_keys_file=str(path)), clock=clock)
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name("next.yaml")
+    tmp.write_text(text)
+    tmp.replace(path)  # a new inode, as `baton keys` and a Secret's update give
+
+
+def test_the_key_file_is_read_again_only_after_its_interval_and_only_when_it_changed(
+    tmp_path: Path,
+) -> None:
+    path, clock, keys = _key_file(tmp_path, f"alice: {{hash: '{hash_key(_ALICE)}'}}\n")
+    first = keys.current()
+    assert first.find(_ALICE.encode()) is not None
+    _replace(path, f"bob: {{hash: '{hash_key(_BOB)}'}}\n")
+    clock.now_s = 0.5
+    assert keys.current() is first  # not looked at yet
+    clock.now_s = 1.0
+    now = keys.current()
+    assert now.find(_ALICE.encode()) is None and now.find(_BOB.encode()) is not None
+    clock.now_s = 2.5
+    assert keys.current() is now  # unchanged file: the same table, not read again
+
+
+def test_a_key_file_changed_into_a_bad_one_keeps_the_keys_it_had(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path, clock, keys = _key_file(tmp_path, f"alice: {{hash: '{hash_key(_ALICE)}'}}\n")
+    for bad in ("alice: {hash: 'not-a-hash'}\n", "alice: [unclosed\n", "- a list\n"):
+        _replace(path, bad)
+        clock.now_s += 1.0
+        assert keys.current().find(_ALICE.encode()) is not None, bad
+    path.unlink()
+    clock.now_s += 1.0
+    assert keys.current().find(_ALICE.encode()) is not None
+    assert caplog.text.count("not reloaded, the keys stay as they were") == 4
+    assert _ALICE not in caplog.text
+
+
+def test_a_key_file_emptied_refuses_everyone_it_does_not_open_the_door(tmp_path: Path) -> None:
+    path, clock, keys = _key_file(tmp_path, f"alice: {{hash: '{hash_key(_ALICE)}'}}\n")
+    _replace(path, "{}\n")
+    clock.now_s = 1.0
+    table = keys.current()
+    assert not table.is_open and table.find(_ALICE.encode()) is None

@@ -43,3 +43,28 @@ def test_serve_reads_the_key_file_and_refuses_a_bad_one_before_starting(tmp_path
     missing = build_config(parse("--api-keys-file", str(tmp_path / "nope.yaml")), {})
     with pytest.raises(OSError):
         check_backend_options(missing)
+
+
+def test_keys_list_shows_names_and_limits_never_hashes_and_remove_revokes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "keys.yaml"
+    assert main(["keys", "add", "alice", "--file", str(path), "--requests-per-minute", "5"]) == 0
+    assert main(["keys", "add", "bob", "--file", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["keys", "list", "--file", str(path)]) == 0
+    listed = capsys.readouterr().out
+    assert listed.splitlines() == ["alice  requests-per-minute=5", "bob  (no limits)"]
+    assert main(["keys", "remove", "carol", "--file", str(path)]) == 2
+    assert "no key named 'carol' (it has: alice, bob)" in capsys.readouterr().err
+    assert main(["keys", "remove", "bob", "--file", str(path)]) == 0
+    assert [e.name for e in load_key_table(path).entries] == ["alice"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert main(["keys", "list", "--file", str(tmp_path / "nope.yaml")]) == 2
+
+
+def test_serve_refuses_a_key_file_with_no_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("{}\n")
+    with pytest.raises(ValueError, match="no keys; every request would be refused"):
+        check_backend_options(build_config(parse("--api-keys-file", str(path)), {}))
