@@ -23,6 +23,7 @@ __all__ = [
     "SLOConfig",
     "WorkersConfig",
     "load_config",
+    "yaml_error_where",
 ]
 
 
@@ -289,14 +290,15 @@ def load_config(path: str | Path | None) -> ClusterConfig:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML{_yaml_where(e)}") from e
+        raise ValueError(f"{path}: not valid YAML{yaml_error_where(e)}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     return ClusterConfig.model_validate(data)
 
 
-def _yaml_where(e: yaml.YAMLError) -> str:
-    """' at line L, column C: what the parser found' (1-based), as far as it says."""
+def yaml_error_where(e: yaml.YAMLError) -> str:
+    """' at line L, column C: what the parser found' (1-based), as far as it says; never
+    the text around it (a key file's line holds a hash)."""
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None)
     where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"

@@ -35,6 +35,8 @@ from typing import Any
 
 import yaml
 
+from services.config import yaml_error_where
+
 __all__ = ["KeyEntry", "KeyLimits", "KeyTable", "hash_key", "load_key_table", "new_key"]
 
 _SCHEME = "hmac-sha256"
@@ -114,7 +116,10 @@ class KeyTable:
 
 def load_key_table(path: str | Path) -> KeyTable:
     """Read a key file (YAML or JSON). Errors name the entry and field, never a hash."""
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML{yaml_error_where(e)}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of key names to entries")
     return KeyTable.from_mapping(data, str(path))

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from services.gateway.keys import KeyTable, hash_key, new_key
+from services.gateway.keys import KeyTable, hash_key, load_key_table, new_key
 
 __all__ = ["add_arguments", "run"]
 
@@ -65,13 +65,8 @@ def _read(path: Path, *, must_exist: bool) -> dict[str, Any]:
     the problem); {} for an ``add`` to a file not made yet."""
     if not path.exists() and not must_exist:
         return {}
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of key names to entries")
-    KeyTable.from_mapping(data, str(path))
+    load_key_table(path)  # what the gateway refuses, refused here, by the same words
+    data: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     return data
 
 

@@ -68,3 +68,16 @@ def test_serve_refuses_a_key_file_with_no_keys(tmp_path: Path) -> None:
     path.write_text("{}\n")
     with pytest.raises(ValueError, match="no keys; every request would be refused"):
         check_backend_options(build_config(parse("--api-keys-file", str(path)), {}))
+
+
+def test_a_key_file_that_is_not_yaml_is_refused_by_place_never_by_its_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("alice: {hash: 'hmac-sha256$00$11', requests_per_minute: [5\n")
+    with pytest.raises(ValueError, match="not valid YAML at line 2, column 1") as e:
+        check_backend_options(build_config(parse("--api-keys-file", str(path)), {}))
+    assert "hmac" not in str(e.value)
+    assert main(["keys", "list", "--file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid YAML at line 2" in err and "hmac" not in err
