@@ -28,6 +28,8 @@ __all__ = [
 TABLE_KEYS = (
     "completed",
     "failed",
+    "rejected",  # of the failed: refused (429/503), not broken
+    "p99_rejection_ms",
     "duration",
     "request_throughput",
     "output_throughput",

@@ -92,6 +92,13 @@ def test_refusals_are_counted_with_how_fast_they_were_answered() -> None:
     assert out["rejected"] == 2 and out["failed"] == 4
     assert out["max_rejection_ms"] == pytest.approx(40.0)
     assert 20.0 < out["p99_rejection_ms"] <= 40.0
+    # The printed table tells refusals from breakage, under the failures.
+    from loadgen.report import format_table
+
+    lines = format_table(out).splitlines()
+    names = [line.split()[0] for line in lines[1:]]
+    assert names[:4] == ["completed", "failed", "rejected", "p99_rejection_ms"]
+    assert lines[3].split() == ["rejected", "2"]
 
 
 def test_a_scaled_slo_multiplies_every_set_target_and_leaves_the_rest_unset() -> None:
