@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol
@@ -29,6 +30,7 @@ __all__ = [
     "Transport",
     "WorkerClient",
     "WorkerDiedError",
+    "death_cause",
 ]
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,29 @@ class WorkerDiedError(RuntimeError):
     def __init__(self, worker_id: str, cause: str = "") -> None:
         super().__init__(f"worker {worker_id} died" + (f": {cause}" if cause else ""))
         self.worker_id = worker_id
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# The last line of a Python traceback: ``SomeError: message`` (not indented).
+_RAISED = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*): ")
+_MAX_CAUSE_CHARS = 300
+
+
+def death_cause(e: BaseException) -> str:
+    """Why a worker's actor died, in one line: the error's name, and for an actor whose
+    ``__init__`` raised (a model that does not load, an engine option refused), what it
+    raised, so the controller's log and ``/ready`` say why a slot keeps crashing."""
+    name = type(e).__name__
+    if not getattr(e, "actor_init_failed", False):
+        return name
+    lines = [line for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        raised_by = _RAISED.match(lines[i])
+        if raised_by:  # the exception's own name, without its module
+            first = raised_by.group(1) + ": " + lines[i][raised_by.end() :]
+            raised = " ".join(line.strip() for line in (first, *lines[i + 1 :]))
+            return f"{name} in its __init__: {raised[:_MAX_CAUSE_CHARS]}"
+    return name
 
 
 class WorkerClient(Protocol):
@@ -187,7 +212,7 @@ class RayWorkerClient:
                     address = await self.actor.channel_address.remote()
                     channel = await SocketChannel.connect(address, subscriber, _CONNECT_TIMEOUT_S)
                 except ray.exceptions.RayActorError as e:
-                    raise WorkerDiedError(self.worker_id, type(e).__name__) from e
+                    raise WorkerDiedError(self.worker_id, death_cause(e)) from e
                 except (OSError, TimeoutError) as e:
                     log.warning(
                         "worker %s: no socket channel (%r); events go through Ray",
@@ -219,7 +244,7 @@ class RayWorkerClient:
             async for ref in stream:
                 yield await _value(ref)
         except ray.exceptions.RayActorError as e:
-            raise WorkerDiedError(self.worker_id, type(e).__name__) from e
+            raise WorkerDiedError(self.worker_id, death_cause(e)) from e
         finally:
             with contextlib.suppress(Exception):
                 ray.cancel(stream)
@@ -230,7 +255,7 @@ class RayWorkerClient:
         try:
             return await getattr(self.actor, method).remote(*args)
         except ray.exceptions.RayActorError as e:
-            raise WorkerDiedError(self.worker_id, type(e).__name__) from e
+            raise WorkerDiedError(self.worker_id, death_cause(e)) from e
 
     async def snapshot(self) -> WorkerSnapshot:
         result: WorkerSnapshot = await self._call("snapshot")

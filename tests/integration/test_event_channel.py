@@ -121,3 +121,22 @@ def test_a_socket_that_cannot_be_reached_falls_back_to_the_ray_channel(
         client.kill()
     assert client.transport == "ray"
     assert len(tokens) == NUM_TOKENS
+
+
+def _engine_that_cannot_load() -> FakeEngine:
+    from services.engine.messages import ModelLoadError
+
+    raise ModelLoadError("model '/models/gone' is neither a local folder nor a built-in model")
+
+
+def test_a_worker_whose_engine_cannot_start_says_why_it_died(ray_cluster: str) -> None:
+    spec = WorkerSpec("cannot-load", Role.MIXED, _engine_that_cannot_load)
+    launched = launch_ray_worker(spec, num_cpus=0, num_gpus=0)
+    client = RayWorkerClient(launched.worker_id, launched.actor, "socket")
+    with pytest.raises(WorkerDiedError) as e:
+        asyncio.run(asyncio.wait_for(client.ping(), 60))
+    # What the operator reads in the controller's log and /ready, not only "ActorDiedError".
+    assert str(e.value) == (
+        "worker cannot-load died: ActorDiedError in its __init__: ModelLoadError: "
+        "model '/models/gone' is neither a local folder nor a built-in model"
+    )

@@ -177,3 +177,12 @@ def test_a_bad_config_file_exits_2_before_anything_starts(
     err = capsys.readouterr().err
     assert err.startswith("baton serve: invalid configuration: ") and says in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-vl"])
+def test_vllm_refuses_baton_s_built_in_models_before_starting(model: str) -> None:
+    from services.cluster.serve import check_backend_options
+
+    config = build_config(parse("--backend", "vllm", "--model", model), {})
+    with pytest.raises(ValueError, match=f"'{model}' is built into Baton's embedded engine"):
+        check_backend_options(config)
