@@ -17,7 +17,7 @@ from typing import cast
 
 import httpx
 
-from loadgen.client import BenchConfig, run_bench
+from loadgen.client import BenchConfig, client_api_key, run_bench
 from loadgen.console import ProgressBar
 from loadgen.flags import add_workload_arguments, slo_from_args, sweep_from_args, workload_from_args
 from loadgen.report import compare_table, format_table, load_summary, write_run, write_sweep
@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="local tokenizer folder of the target model: prompt lengths in its tokens "
         "(default: approximate, one character per token)",
     )
+    parser.add_argument(
+        "--api-key-file",
+        help="send the bearer key in this file (default: $BATON_API_KEY, then $OPENAI_API_KEY)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--compare", nargs=2, type=Path, metavar=("DIR_A", "DIR_B"), help="compare two run folders"
@@ -53,11 +57,12 @@ def run(args: argparse.Namespace) -> int:
         workload = workload_from_args(args)
         sweep = sweep_from_args(args)
         slo = slo_from_args(args)
-    except WorkloadError as e:
+        key = client_api_key(args.api_key_file, os.environ)
+    except (WorkloadError, ValueError, OSError) as e:
         print(f"baton bench: {e}", file=sys.stderr)
         return 2
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
-    # The only environment read: CI runs and pipes get no progress bar.
+    # The environment gives the key (above) and CI: CI runs and pipes get no progress bar.
     interactive = sys.stdout.isatty() and not os.environ.get("CI")
     freeze_startup_heap()  # a full collection mid-run would delay every answer it times
     summaries = []
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             slo=slo,
             timeout_s=args.timeout,
             tokenizer=tokenizer,
+            api_key=key,
         )
         try:
             result = run_bench(config, progress=ProgressBar(label) if interactive else None)

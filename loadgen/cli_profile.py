@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -44,7 +45,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from loadgen.client import discover_model, send_request
+from loadgen.client import client_api_key, discover_model, send_request
 from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
 
@@ -77,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--base-profile", default=None, help="source of the fields HTTP cannot measure"
     )
     parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+    parser.add_argument(
+        "--api-key-file",
+        help="send the bearer key in this file (default: $BATON_API_KEY, then $OPENAI_API_KEY)",
+    )
 
 
 def _ints(text: str) -> list[int]:
@@ -210,7 +215,10 @@ async def measure_profile(
     base = args.base_url.rstrip("/")
     kind = args.endpoint
     url = f"{base}/v1/chat/completions" if kind == "chat" else f"{base}/v1/completions"
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
+    key = client_api_key(getattr(args, "api_key_file", None), os.environ)
+    headers = {"Authorization": f"Bearer {key}"}
+    timeout = httpx.Timeout(600.0, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
         model = args.model or await discover_model(client, base)
         prefill, handoffs = await _prefill_points(
             client, url, kind, model, _ints(args.prefill_lens), args.repeats, args.idle_s, say
@@ -288,6 +296,9 @@ def _to_stderr(line: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         profile = asyncio.run(measure_profile(args, progress=_to_stderr))
+    except ValueError as e:  # an empty --api-key-file
+        print(f"baton profile: {e}", file=sys.stderr)
+        return 2
     except (httpx.HTTPError, OSError, RuntimeError) as e:
         print(f"baton profile: {e}", file=sys.stderr)
         return 1

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -29,7 +30,14 @@ from loadgen.metrics import GoodputSLO, RequestRecord, compute_summary
 from loadgen.scenario import Tokenizer, WorkloadConfig, build_requests, synthetic_prompt
 from loadgen.workload import RequestSpec, WorkloadError
 
-__all__ = ["BenchConfig", "BenchResult", "discover_model", "run_bench", "send_request"]
+__all__ = [
+    "BenchConfig",
+    "BenchResult",
+    "client_api_key",
+    "discover_model",
+    "run_bench",
+    "send_request",
+]
 
 EndpointKind = Literal["chat", "completions"]
 Progress = Callable[[int, int, int], None]  # (done, failed, total)
@@ -177,6 +185,18 @@ def _error_text(body: str) -> str:
     if isinstance(err, dict) and "message" in err:
         return str(err["message"])[:500]
     return str(err)[:500]
+
+
+def client_api_key(path: str | None, environ: Mapping[str, str]) -> str:
+    """The bearer key a load generator sends: the one in ``path`` (``--api-key-file``),
+    else ``$BATON_API_KEY``, else ``$OPENAI_API_KEY``, else ``EMPTY`` (a server without
+    keys ignores it). Never a command-line value, where any user's ``ps`` shows it."""
+    if path:
+        key = Path(path).read_text(encoding="utf-8").strip()
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file is empty")
+        return key
+    return environ.get("BATON_API_KEY") or environ.get("OPENAI_API_KEY") or "EMPTY"
 
 
 async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:

@@ -5,7 +5,8 @@ stream ``max_tokens`` one-character chunks ``GAP_S`` apart, a usage chunk with
 ``choices: []`` and ``[DONE]``. A prompt starting with ``FAIL`` gets a 400; one
 starting with ``BREAK`` gets an error event after the first token; one
 starting with ``HOLD`` gets its first token with empty text (a server holding
-back a partial UTF-8 character).
+back a partial UTF-8 character). ``serve(api_key=K)``: every route wants
+``Authorization: Bearer K`` (a 401 otherwise).
 """
 
 from __future__ import annotations
@@ -83,7 +84,18 @@ async def _chunks(kind: str, prompt: str, max_tokens: int, timing: Timing) -> As
     yield b"data: [DONE]\n\n"
 
 
+def _unauthorized(request: Request) -> Response | None:
+    key = request.app.state.api_key
+    if key is None or request.headers.get("authorization") == f"Bearer {key}":
+        return None
+    err = {"error": {"message": "Incorrect API key provided.", "type": "AuthenticationError"}}
+    return JSONResponse(err, status_code=401)
+
+
 async def _generate(request: Request) -> Response:
+    refused = _unauthorized(request)
+    if refused is not None:
+        return refused
     timing: Timing = request.app.state.timing
     body = await request.json()
     kind = "chat" if request.url.path.endswith("chat/completions") else "completions"
@@ -103,6 +115,9 @@ async def _generate(request: Request) -> Response:
 
 
 async def _models(request: Request) -> Response:
+    refused = _unauthorized(request)
+    if refused is not None:
+        return refused
     return JSONResponse(
         {
             "object": "list",
@@ -111,7 +126,7 @@ async def _models(request: Request) -> Response:
     )
 
 
-def make_app(timing: Timing | None = None) -> Starlette:
+def make_app(timing: Timing | None = None, api_key: str | None = None) -> Starlette:
     app = Starlette(
         routes=[
             Route("/v1/completions", _generate, methods=["POST"]),
@@ -120,15 +135,18 @@ def make_app(timing: Timing | None = None) -> Starlette:
         ]
     )
     app.state.timing = timing or Timing()
+    app.state.api_key = api_key
     return app
 
 
 @contextmanager
-def serve(timing: Timing | None = None) -> Iterator[str]:
+def serve(timing: Timing | None = None, api_key: str | None = None) -> Iterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(timing), log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(make_app(timing, api_key), log_level="warning", lifespan="off")
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

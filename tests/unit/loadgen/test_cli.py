@@ -115,3 +115,31 @@ def test_version_prints_the_installed_package_version(
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"baton {version('baton')}"
+
+
+def test_bench_and_profile_send_the_key_from_a_file_or_the_environment_never_argv(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key_file = tmp_path / "key.txt"
+    key_file.write_text("sk-bench-secret\n")
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with serve(api_key="sk-bench-secret") as url:
+        bench = ["bench", "--base-url", url, "--num-requests", "2", "--output-len", "2", "--json"]
+        assert main(bench) == 1  # no key: the server's 401 on /v1/models
+        assert "401" in capsys.readouterr().err
+        assert main([*bench, "--api-key-file", str(key_file)]) == 0
+        assert json.loads(capsys.readouterr().out)["completed"] == 2
+        for variable in ("BATON_API_KEY", "OPENAI_API_KEY"):
+            monkeypatch.setenv(variable, "sk-bench-secret")
+            assert main(bench) == 0, variable
+            monkeypatch.delenv(variable)
+        profile = ["profile", "--base-url", url, "--prefill-lens", "8", "--repeats", "1"]
+        profile += ["--decode-batches", "1", "--decode-contexts", "8", "--decode-tokens", "2"]
+        profile += ["--idle-s", "0", "--out", str(tmp_path / "p.json")]
+        assert main([*profile, "--api-key-file", str(key_file)]) == 0
+        assert main(profile) == 1
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert main(["bench", "--api-key-file", str(empty), "--num-requests", "1"]) == 2
+    assert "the file is empty" in capsys.readouterr().err
