@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -32,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--timeout", type=_seconds, default=600.0, help="seconds per request (above 0)"
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"baton bench: {e}", file=sys.stderr)
             return 2
         except (httpx.HTTPError, OSError, RuntimeError) as e:  # unreachable, no model listed
-            print(f"baton bench: {args.base_url}: {e}", file=sys.stderr)
+            # A timeout's message is empty: its name says what happened.
+            print(f"baton bench: {args.base_url}: {str(e) or type(e).__name__}", file=sys.stderr)
             return 1
         summaries.append(result.summary)
         if args.out is not None:
@@ -99,6 +103,16 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None and len(sweep) > 1:
         write_sweep(args.out, summaries, label="bench")
     return 0
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"want seconds above 0, got {text!r}")
+    return value
 
 
 def _load_tokenizer(path: str) -> Tokenizer:

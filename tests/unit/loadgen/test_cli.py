@@ -143,3 +143,13 @@ def test_bench_and_profile_send_the_key_from_a_file_or_the_environment_never_arg
     empty.write_text("\n")
     assert main(["bench", "--api-key-file", str(empty), "--num-requests", "1"]) == 2
     assert "the file is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "soon"])
+def test_bench_timeout_must_be_seconds_above_zero(
+    timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--timeout", timeout])
+    assert exit_info.value.code == 2
+    assert "--timeout: want seconds above 0" in capsys.readouterr().err
