@@ -8,6 +8,7 @@ with ``baton bench --compare``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -176,7 +177,26 @@ def _admission_factory(config: SimConfig) -> Callable[[], PastFutureAdmission] |
             raise WorkloadError(f"unknown admission {other!r}: past_future or greedy")
 
 
+def _check_counts(config: SimConfig) -> None:
+    """Each count and size in its range, naming the ``baton simulate`` flag (a
+    ``WorkloadError``): a negative worker count or a zero chunk used to run anyway."""
+    at_least = {
+        "--colocated": (config.num_colocated, 0),
+        "--mixed": (config.num_mixed, 0),
+        "--encode": (config.num_encode, 0),
+        "--chunk-tokens": (config.chunk_tokens, 1),
+        "--prefill-budget": (config.prefill_budget_tokens, 1),
+        "--max-tokens": (1 if config.max_tokens is None else config.max_tokens, 1),
+    }
+    for flag, (value, low) in at_least.items():
+        if value < low:
+            raise WorkloadError(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= config.flip_latency_s < math.inf:
+        raise WorkloadError(f"--flip-latency must be >= 0 seconds, got {config.flip_latency_s}")
+
+
 def _roles(config: SimConfig) -> list[Role]:
+    _check_counts(config)
     if config.num_colocated:
         return [Role.MIXED] * config.num_colocated
     if config.num_prefill < 1 or config.num_decode < 1:

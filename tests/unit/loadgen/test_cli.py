@@ -153,3 +153,22 @@ def test_bench_timeout_must_be_seconds_above_zero(
         main(["bench", "--timeout", timeout])
     assert exit_info.value.code == 2
     assert "--timeout: want seconds above 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--encode", "-1"], "--encode must be >= 0, got -1"),
+        (["--colocated", "-2"], "--colocated must be >= 0, got -2"),
+        (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1, got 0"),
+        (["--prefill-budget", "0"], "--prefill-budget must be >= 1, got 0"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--flip-latency", "-1"], "--flip-latency must be >= 0 seconds"),
+    ],
+)
+def test_simulate_refuses_counts_and_sizes_out_of_range(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", "--prefill", "1", "--decode", "1", "--rate", "5", "--num-requests", "5"]
+    assert main([*argv, *flags]) == 2
+    assert says in capsys.readouterr().err
