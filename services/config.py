@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
     "ClusterConfig",
@@ -23,6 +23,7 @@ __all__ = [
     "SLOConfig",
     "WorkersConfig",
     "load_config",
+    "validated_config",
     "yaml_error_where",
 ]
 
@@ -279,7 +280,7 @@ class ClusterConfig(_Section):
             if leaf not in node:
                 raise KeyError(f"unknown config key {dotted!r}")
             node[leaf] = value
-        return ClusterConfig.model_validate(data)
+        return validated_config(data)
 
 
 def load_config(path: str | Path | None) -> ClusterConfig:
@@ -293,7 +294,26 @@ def load_config(path: str | Path | None) -> ClusterConfig:
         raise ValueError(f"{path}: not valid YAML{yaml_error_where(e)}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
-    return ClusterConfig.model_validate(data)
+    return validated_config(data, f"{path}: ")
+
+
+def validated_config(data: dict[str, Any], where: str = "") -> ClusterConfig:
+    """``ClusterConfig`` of ``data``, or a ValueError saying, per problem, the dotted
+    field, what is wrong and the value given (pydantic's own text adds its error type,
+    the whole section as input and a link: three lines per problem)."""
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for error in e.errors():
+            field = ".".join(str(part) for part in error["loc"]) or "config"
+            message = str(error["msg"]).removeprefix("Value error, ")
+            given = error.get("input")
+            got = (
+                "" if isinstance(given, dict) or error["type"] == "missing" else f" (got {given!r})"
+            )
+            problems.append(f"{field}: {message}{got}")
+        raise ValueError(where + "; ".join(problems)) from e
 
 
 def yaml_error_where(e: yaml.YAMLError) -> str:

@@ -321,12 +321,12 @@ def check_backend_options(config: ClusterConfig) -> None:
     if config.engine.backend == "vllm":
         from services.backends.vllm import check_vllm_options
 
+        check_vllm_options(config.engine.vllm)
         if config.model.name in ("tiny", "tiny-vl"):
             raise ValueError(
                 f"engine.backend vllm serves a local model folder; {config.model.name!r} is "
                 "built into Baton's embedded engine (engine.backend: embedded)"
             )
-        check_vllm_options(config.engine.vllm)
     elif config.engine.vllm:
         raise ValueError(
             f"engine.vllm is set but engine.backend is {config.engine.backend!r}; "

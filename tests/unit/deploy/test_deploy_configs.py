@@ -90,7 +90,11 @@ def test_unknown_vllm_engine_arguments_are_refused_by_name() -> None:
     from services.cluster.serve import check_backend_options
 
     config = ClusterConfig().with_overrides(
-        {"engine.backend": "vllm", "engine.vllm": {"enforce_eager": True, "max_batch_sizee": 8}}
+        {
+            "model.name": "/models/llama",  # vLLM serves a folder, not Baton's built-in tiny
+            "engine.backend": "vllm",
+            "engine.vllm": {"enforce_eager": True, "max_batch_sizee": 8},
+        }
     )
     with pytest.raises(ValueError, match="max_batch_sizee"):
         check_backend_options(config)
