@@ -179,6 +179,12 @@ def validation_error(errors: Sequence[Any]) -> BadRequest:
     return BadRequest(message, ".".join(fields) or None)
 
 
+_ROUTES = (
+    "Baton serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+    "GET /health, /ready and /metrics"
+)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -189,8 +195,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        error = APIError(str(e.detail))
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = str(e.detail)
+        if e.status_code == 404 and message == "Not Found":  # no such route
+            message = f"no route {request.url.path}; {_ROUTES}"
+        elif e.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; {_ROUTES}"
+        error = APIError(message)
         error.status_code = e.status_code
         error.error_type = "NotFoundError" if e.status_code == 404 else "InvalidRequestError"
         return _error_response(error)

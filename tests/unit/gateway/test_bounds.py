@@ -139,3 +139,19 @@ async def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(
     # The server keeps serving.
     ok = await client.post("/v1/completions", json=BODY)
     assert ok.status_code == 200, ok.text
+
+
+async def test_an_unknown_route_or_method_says_what_is_served(gateway: Any) -> None:
+    _, client = await gateway()
+    missing = await client.post("/v1/embeddings", json={"input": "x"})
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert error["type"] == "NotFoundError"
+    assert error["message"].startswith("no route /v1/embeddings; Baton serves POST /v1/chat")
+    wrong = await client.get("/v1/completions")
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["message"].startswith("GET is not allowed on /v1/completions")
+    # A 404 with its own words (a model that is not served) keeps them.
+    body = {**BODY, "model": "nope"}
+    unknown = await client.post("/v1/completions", json=body)
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
