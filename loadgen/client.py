@@ -19,7 +19,6 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -190,13 +189,11 @@ def _error_text(body: str) -> str:
 def client_api_key(path: str | None, environ: Mapping[str, str]) -> str:
     """The bearer key a load generator sends: the one in ``path`` (``--api-key-file``),
     else ``$BATON_API_KEY``, else ``$OPENAI_API_KEY``, else ``EMPTY`` (a server without
-    keys ignores it). Never a command-line value, where any user's ``ps`` shows it."""
-    if path:
-        key = Path(path).read_text(encoding="utf-8").strip()
-        if not key:
-            raise ValueError(f"--api-key-file {path}: the file is empty")
-        return key
-    return environ.get("BATON_API_KEY") or environ.get("OPENAI_API_KEY") or "EMPTY"
+    keys ignores it). Never a command-line value, where any user's ``ps`` shows it. The
+    file and ``$BATON_API_KEY`` are read as ``baton serve`` reads them."""
+    from services.cluster.serve import api_key
+
+    return api_key(path, dict(environ)) or environ.get("OPENAI_API_KEY") or "EMPTY"
 
 
 async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:

@@ -37,7 +37,15 @@ import yaml
 
 from services.config import yaml_error_where
 
-__all__ = ["KeyEntry", "KeyLimits", "KeyTable", "hash_key", "load_key_table", "new_key"]
+__all__ = [
+    "KeyEntry",
+    "KeyLimits",
+    "KeyTable",
+    "hash_key",
+    "load_key_table",
+    "new_key",
+    "read_key_file",
+]
 
 _SCHEME = "hmac-sha256"
 _SALT_BYTES = 16
@@ -116,13 +124,19 @@ class KeyTable:
 
 def load_key_table(path: str | Path) -> KeyTable:
     """Read a key file (YAML or JSON). Errors name the entry and field, never a hash."""
+    return KeyTable.from_mapping(read_key_file(path), str(path))
+
+
+def read_key_file(path: str | Path) -> dict[str, Any]:
+    """A key file's mapping of names to entries, as read (``load_key_table`` checks the
+    entries); a ValueError for a file that is not YAML, or not a mapping."""
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML{yaml_error_where(e)}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of key names to entries")
-    return KeyTable.from_mapping(data, str(path))
+    return data
 
 
 def _parse_entry(name: Any, spec: Any, source: str) -> KeyEntry:

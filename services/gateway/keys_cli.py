@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from services.gateway.keys import KeyTable, hash_key, load_key_table, new_key
+from services.gateway.keys import KeyTable, hash_key, new_key, read_key_file
 
 __all__ = ["add_arguments", "run"]
 
@@ -65,8 +65,8 @@ def _read(path: Path, *, must_exist: bool) -> dict[str, Any]:
     the problem); {} for an ``add`` to a file not made yet."""
     if not path.exists() and not must_exist:
         return {}
-    load_key_table(path)  # what the gateway refuses, refused here, by the same words
-    data: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    data = read_key_file(path)
+    KeyTable.from_mapping(data, str(path))  # what the gateway refuses, by the same words
     return data
 
 
