@@ -33,14 +33,16 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = Field("tiny", description="'tiny' (built in) or a local Hugging Face folder")
+    name: str = Field(
+        "tiny", description="'tiny' or 'tiny-vl' (built in) or a local Hugging Face folder"
+    )
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
 
     @property
     def public_name(self) -> str:
-        return self.served_model_name or (Path(self.name).name if self.name != "tiny" else "tiny")
+        return self.served_model_name or Path(self.name).name
 
 
 class EngineConfig(_Section):

@@ -320,9 +320,10 @@ def check_backend_options(config: ClusterConfig) -> None:
     key_table(config.gateway)
     if config.engine.backend == "vllm":
         from services.backends.vllm import check_vllm_options
+        from services.engine.loader import BUILT_IN_MODELS
 
         check_vllm_options(config.engine.vllm)
-        if config.model.name in ("tiny", "tiny-vl"):
+        if config.model.name in BUILT_IN_MODELS:
             raise ValueError(
                 f"engine.backend vllm serves a local model folder; {config.model.name!r} is "
                 "built into Baton's embedded engine (engine.backend: embedded)"

@@ -34,6 +34,7 @@ from services.engine.tiny_vl import TINY_VL_NAME, build_tiny_vl, build_tiny_vl_t
 from services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
+    "BUILT_IN_MODELS",
     "LoadedModel",
     "check_model_source",
     "load_causal_lm",
@@ -41,6 +42,8 @@ __all__ = [
     "load_tokenizer",
     "resolve_dtype",
 ]
+
+BUILT_IN_MODELS = (TINY_NAME, TINY_VL_NAME)  # served with no files; anything else is a folder
 
 _DTYPES = {
     "float32": torch.float32,
@@ -125,7 +128,7 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
 def check_model_source(name_or_path: str) -> None:
     """Raise ``ModelLoadError`` unless ``name_or_path`` is a built-in model or a folder
     with a config.json: what ``baton serve`` checks before it starts anything."""
-    if name_or_path not in (TINY_NAME, TINY_VL_NAME):
+    if name_or_path not in BUILT_IN_MODELS:
         _model_folder(name_or_path)
 
 
@@ -134,7 +137,7 @@ def _model_folder(name_or_path: str) -> Path:
     if not folder.is_dir():
         raise ModelLoadError(
             f"model {name_or_path!r} is neither a local folder nor a built-in model "
-            f"({TINY_NAME!r}, {TINY_VL_NAME!r}); models are never downloaded"
+            f"({', '.join(map(repr, BUILT_IN_MODELS))}); models are never downloaded"
         )
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"no config.json in model folder {folder}")
