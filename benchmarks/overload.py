@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -44,6 +43,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 from loadgen.client import BenchConfig  # noqa: E402
+from loadgen.flags import above_zero  # noqa: E402
 from loadgen.host_speed import measure_slowdown  # noqa: E402
 from loadgen.metrics import GoodputSLO  # noqa: E402
 from loadgen.overload import OverloadConfig, run_overload  # noqa: E402
@@ -159,15 +159,7 @@ def first_sweep_rate(start_rate: float | str, slowdown: float) -> float:
 
 def rate_or_auto(text: str) -> float | str:
     """``--start-rate``'s value: ``auto`` or a rate above 0 (requests/s)."""
-    if text == "auto":
-        return text
-    try:
-        rate = float(text)
-    except ValueError:
-        rate = math.nan
-    if not rate > 0 or math.isinf(rate):
-        raise argparse.ArgumentTypeError(f"want auto or requests/s above 0, got {text!r}")
-    return rate
+    return text if text == "auto" else above_zero("auto or requests/s")(text)
 
 
 def parser() -> argparse.ArgumentParser:

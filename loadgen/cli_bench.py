@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -20,7 +19,13 @@ import httpx
 
 from loadgen.client import BenchConfig, client_api_key, run_bench
 from loadgen.console import ProgressBar
-from loadgen.flags import add_workload_arguments, slo_from_args, sweep_from_args, workload_from_args
+from loadgen.flags import (
+    above_zero,
+    add_workload_arguments,
+    slo_from_args,
+    sweep_from_args,
+    workload_from_args,
+)
 from loadgen.report import compare_table, format_table, load_summary, write_run, write_sweep
 from loadgen.scenario import Tokenizer
 from loadgen.workload import WorkloadError
@@ -34,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
     parser.add_argument(
-        "--timeout", type=_seconds, default=600.0, help="seconds per request (above 0)"
+        "--timeout", type=above_zero("seconds"), default=600.0, help="seconds per request (above 0)"
     )
     parser.add_argument(
         "--tokenizer",
@@ -103,16 +108,6 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None and len(sweep) > 1:
         write_sweep(args.out, summaries, label="bench")
     return 0
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"want seconds above 0, got {text!r}")
-    return value
 
 
 def _load_tokenizer(path: str) -> Tokenizer:

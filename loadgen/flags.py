@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 from loadgen.arrivals import RateSpec, parse_rate, parse_sweep
@@ -12,6 +14,7 @@ from loadgen.workload import WorkloadError, parse_length
 
 __all__ = [
     "Sweep",
+    "above_zero",
     "add_workload_arguments",
     "slo_from_args",
     "sweep_from_args",
@@ -19,6 +22,21 @@ __all__ = [
 ]
 
 Sweep = list[tuple[RateSpec | None, int | None]]  # (rate, concurrency) per run
+
+
+def above_zero(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0, in ``unit`` (the error names it)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"want {unit} above 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:

@@ -85,6 +85,7 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
     profile = config.profile or load_profile()
     if config.rate is None and not config.concurrency:
         raise WorkloadError("give a rate or a concurrency")
+    _check_counts(config)
     roles = _roles(config)
     slo = config.slo or GoodputSLO()
     settings = config.router_settings(profile)
@@ -196,7 +197,6 @@ def _check_counts(config: SimConfig) -> None:
 
 
 def _roles(config: SimConfig) -> list[Role]:
-    _check_counts(config)
     if config.num_colocated:
         return [Role.MIXED] * config.num_colocated
     if config.num_prefill < 1 or config.num_decode < 1:
