@@ -3,6 +3,7 @@ whatever the server's speed, and the saturation rate is read off the runs it mad
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import pytest
@@ -89,8 +90,10 @@ class FakeServer:
         self.cold_share = cold_share
         self.lucky = dict(lucky or {})
         self.rates: list[float] = []
+        self.collector_on: list[bool] = []  # during each run
 
     def __call__(self, bench: BenchConfig) -> BenchResult:
+        self.collector_on.append(gc.isenabled())
         rate, window_s = bench.rate.start_rps, bench.workload.duration_s
         good = min(rate, self.capacity) * (self.cold_share if not self.rates else 1.0)
         good *= self.lucky.pop(rate, 1.0)
@@ -143,3 +146,26 @@ def test_the_peak_is_the_best_run_and_a_second_run_at_its_rate(
     assert result["peak"]["rate"] == 5.0625  # the lucky run's rate, run again
     assert result["peak_goodput"] == pytest.approx((3.6 + 3.0) / 2)
     assert [row["of_peak"] for row in result["over"]] == pytest.approx([3.0 / 3.3] * 2)
+
+
+def test_each_run_is_timed_with_the_client_s_collector_paused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A collection in the load client lands inside the latencies it times (refusals are
+    held to 50 ms): each run goes without one, and the collector is back on after."""
+    server = FakeServer(capacity=3.0, cold_share=1.0)
+    monkeypatch.setattr(overload, "run_bench", server)
+    config = OverloadConfig(
+        "http://fake", WorkloadConfig(), GoodputSLO(ttft_ms=1000), duration_s=10.0, settle_s=0.0
+    )
+    assert gc.isenabled()
+    overload.run_overload(config)
+    assert len(server.collector_on) >= 4 and not any(server.collector_on)
+    assert gc.isenabled()
+    # A run long enough for its garbage to matter keeps the collector on.
+    monkeypatch.setattr(overload, "_PAUSE_MAX_REQUESTS", 20)
+    server = FakeServer(capacity=3.0, cold_share=1.0)
+    monkeypatch.setattr(overload, "run_bench", server)
+    overload.run_overload(config)
+    assert server.collector_on == [rate * 10.0 > 20 for rate in server.rates]
+    assert any(server.collector_on) and not all(server.collector_on)
