@@ -3,8 +3,10 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (200 ready, 503 starting or draining), ``GET /ready`` (the same status,
 with every worker slot: ready, starting, or down and why), ``GET /metrics``
-(Prometheus), ``GET /openapi.json``. Every error is OpenAI's nested shape; FastAPI's
-422 becomes 400 naming the field; bodies over ``max_body_bytes`` get 413.
+(Prometheus), ``GET /openapi.json`` (and its pages ``/docs`` and ``/redoc``). Every
+error is OpenAI's nested shape; FastAPI's 422 becomes 400 naming the field; bodies over
+``max_body_bytes`` get 413; an unknown route or method is answered with every route
+served (``served_routes``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from services.gateway.respond import respond
 from services.gateway.service import GatewayService
 from services.gateway.tokens import chat_prompt_ids, text_prompt_ids
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "served_routes"]
 
 T = TypeVar("T")
 
@@ -179,10 +181,32 @@ def validation_error(errors: Sequence[Any]) -> BadRequest:
     return BadRequest(message, ".".join(fields) or None)
 
 
-_ROUTES = (
-    "Baton serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
-    "GET /health, /ready and /metrics"
-)
+def served_routes(app: FastAPI) -> list[tuple[str, str]]:
+    """(method, path) of every route ``app`` answers, the OpenAPI schema's first, then
+    the rest in the order they were added (HEAD, which answers with GET, and the API
+    docs' OAuth2 redirect helper left out): what a 404 or 405 names."""
+    ordered = sorted(app.routes, key=lambda r: not getattr(r, "include_in_schema", False))
+    served = []
+    for route in ordered:
+        path = getattr(route, "path", None)
+        if path is None or path == app.swagger_ui_oauth2_redirect_url:
+            continue
+        for method in sorted(getattr(route, "methods", None) or ()):
+            if method != "HEAD":
+                served.append((method, path))
+    return served
+
+
+def _served_text(app: FastAPI) -> str:
+    """The sentence a 404 or 405 ends with: "Baton serves GET /v1/models, ... and GET
+    /metrics" (made once per app)."""
+    text = getattr(app.state, "served_text", None)
+    if text is None:
+        names = [f"{method} {path}" for method, path in served_routes(app)]
+        text = app.state.served_text = "Baton serves " + (
+            f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else "".join(names)
+        )
+    return str(text)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -197,14 +221,21 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = str(e.detail)
+        path = request.url.path
         if e.status_code == 404 and message == "Not Found":  # no such route
-            message = f"no route {request.url.path}; {_ROUTES}"
+            message = f"no route {path}; {_served_text(app)}"
         elif e.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}; {_ROUTES}"
+            allowed = [m for m, p in served_routes(app) if p == path]
+            message = (
+                f"{request.method} is not allowed on {path}, only {' and '.join(allowed)}; "
+                f"{_served_text(app)}"
+            )
         error = APIError(message)
         error.status_code = e.status_code
         error.error_type = "NotFoundError" if e.status_code == 404 else "InvalidRequestError"
-        return _error_response(error)
+        response = _error_response(error)
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
 
 
 class BodyLimit:

@@ -147,10 +147,17 @@ async def test_an_unknown_route_or_method_says_what_is_served(gateway: Any) -> N
     assert missing.status_code == 404
     error = missing.json()["error"]
     assert error["type"] == "NotFoundError"
-    assert error["message"].startswith("no route /v1/embeddings; Baton serves POST /v1/chat")
+    assert error["message"] == (
+        "no route /v1/embeddings; Baton serves GET /v1/models, POST /v1/chat/completions,"
+        " POST /v1/completions, GET /openapi.json, GET /docs, GET /redoc, GET /health, GET /ready and"
+        " GET /metrics"
+    )
     wrong = await client.get("/v1/completions")
     assert wrong.status_code == 405
-    assert wrong.json()["error"]["message"].startswith("GET is not allowed on /v1/completions")
+    assert wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["message"].startswith(
+        "GET is not allowed on /v1/completions, only POST; Baton serves GET /v1/models"
+    )
     # A 404 with its own words (a model that is not served) keeps them.
     body = {**BODY, "model": "nope"}
     unknown = await client.post("/v1/completions", json=body)
