@@ -1,6 +1,8 @@
 """``baton plan``: size prefill and decode pools for a target rate, offline.
 
-Prints one JSON object (``PoolPlan.to_dict`` plus the inputs) on stdout.
+Prints one JSON object (``PoolPlan.to_dict`` plus the inputs) on stdout. Where a
+target cannot be met by any pool, the plan says so (``meets_targets``, ``shortfalls``),
+each shortfall is also a line on stderr, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -18,16 +20,40 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rate", type=float, required=True, help="requests per second")
+    parser.add_argument("--rate", type=float, required=True, help="target requests per second")
     parser.add_argument(
         "--profile", default=None, help="cost-model profile JSON (default: built-in)"
     )
-    parser.add_argument("--prompt-tokens", type=float, default=1024.0, help="mean prompt length")
-    parser.add_argument("--output-tokens", type=float, default=256.0, help="mean output length")
-    parser.add_argument("--prefix-hit-tokens", type=float, default=0.0, help="mean cached prefix")
-    parser.add_argument("--ttft-ms", type=float, default=2000.0)
-    parser.add_argument("--tpot-ms", type=float, default=200.0)
-    parser.add_argument("--utilization", type=float, default=0.8, help="max prefill load ρ")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=float,
+        default=1024.0,
+        help="mean prompt, tokens (default %(default)g)",
+    )
+    parser.add_argument(
+        "--output-tokens",
+        type=float,
+        default=256.0,
+        help="mean output, tokens (default %(default)g)",
+    )
+    parser.add_argument(
+        "--prefix-hit-tokens",
+        type=float,
+        default=0.0,
+        help="mean cached prefix, tokens (default %(default)g)",
+    )
+    parser.add_argument(
+        "--ttft-ms", type=float, default=2000.0, help="TTFT target, ms (default %(default)g)"
+    )
+    parser.add_argument(
+        "--tpot-ms", type=float, default=200.0, help="TPOT target, ms (default %(default)g)"
+    )
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=0.8,
+        help="highest prefill load ρ, between 0 and 1 (default %(default)g)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     slo = SLO(ttft_s=args.ttft_ms / 1e3, tpot_s=args.tpot_ms / 1e3)
     plan = plan_pools(args.rate, profile, workload, slo, max_utilization=args.utilization)
     print(json.dumps({"rate_per_s": args.rate, "model": profile.model, **plan.to_dict()}))
-    return 0
+    for shortfall in plan.shortfalls:
+        print(f"baton plan: {shortfall}", file=sys.stderr)
+    return 1 if plan.shortfalls else 0
 
 
 def _check(args: argparse.Namespace) -> None:

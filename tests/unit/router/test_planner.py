@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -242,3 +243,52 @@ def test_encode_pressure_is_the_encode_queue_against_the_ttft_target() -> None:
     pressure = pol.pressure(v, mean_prompt_tokens=100)
     assert pressure.encode_wait_s == pytest.approx(1e-5 * 75_000)
     assert pressure.encode == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize(
+    ("slo", "workload", "says"),
+    [
+        # D = 0.11 s and 0.101 s of transfer: no pool gets a prompt out within 0.2 s.
+        (SLO(ttft_s=0.2, tpot_s=0.02), WORKLOAD, ["TTFT target of 200 ms: one prompt"]),
+        # A step of one request at 1050 tokens of context: 0.01 + 1e-4 + 1050e-7 s.
+        (SLO(ttft_s=1.0, tpot_s=0.01), WORKLOAD, ["TPOT target of 10 ms: a decode step"]),
+        # 15000 + 1000 tokens against 0.95 × 16000 = 15200.
+        (SLO(ttft_s=1e3, tpot_s=0.02), WorkloadStats(15000, 1000), ["16000 tokens"]),
+    ],
+)
+def test_a_target_no_pool_meets_is_named_not_sized_for(
+    slo: SLO, workload: WorkloadStats, says: list[str]
+) -> None:
+    plan = plan_pools(20.0, PROFILE, workload, slo)
+    assert len(plan.shortfalls) == len(says)
+    for shortfall, words in zip(plan.shortfalls, says, strict=True):
+        assert words in shortfall
+    # An unreachable TTFT does not grow the prefill pool to the cap: the utilisation's.
+    assert plan.num_prefill < 100
+    assert plan.to_dict()["meets_targets"] is False
+
+
+def test_a_rate_beyond_the_most_workers_is_named_and_predicted_at_the_cap() -> None:
+    # 20 000/s × 0.11 s / 0.8 needs 2750 prefill workers, and (as in the sizing by hand)
+    # 20 000 × 100 × 0.012665 / 13 -> 1949 decode workers; the cap is 1000.
+    plan = plan_pools(20_000.0, PROFILE, WORKLOAD, SLO(ttft_s=1.0, tpot_s=0.02), max_workers=1000)
+    assert plan.shortfalls == (
+        "the rate needs 2750 prefill workers, more than the most planned (1000)",
+        "the rate needs 1949 decode workers, more than the most planned (1000)",
+    )
+    assert (plan.num_prefill, plan.num_decode) == (1000, 1000)
+    assert plan.predicted_ttft_s == math.inf  # 20 req/s per worker of 0.11 s each
+    assert plan.to_dict()["predicted_ttft_s"] is None
+
+
+def test_the_cli_says_what_cannot_be_met_and_exits_1(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    cli_plan.add_arguments(parser)
+    assert cli_plan.run(parser.parse_args(["--rate", "10", "--tpot-ms", "1"])) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["shortfalls"] == [
+        captured.err.removeprefix("baton plan: ").strip()
+    ]
+    assert "TPOT target of 1 ms" in captured.err
+    assert cli_plan.run(parser.parse_args(["--rate", "10"])) == 0
+    assert json.loads(capsys.readouterr().out)["meets_targets"] is True
