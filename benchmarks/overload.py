@@ -129,6 +129,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
             warm_up_s=args.warm_up_s,
             duration_s=args.duration,
             over_duration_s=args.over_duration,
+            repeats=args.repeats,
             bench=BenchConfig(url, tokenizer=tokenizer),
         )
         freeze_startup_heap()  # the client's full collections would delay the answers it times
@@ -182,6 +183,15 @@ def parser() -> argparse.ArgumentParser:
         help="seconds of arrivals per overloaded run (default: --duration)",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        choices=range(1, 11),
+        metavar="N",
+        default=3,
+        help="runs at the peak's rate and at each factor, in rounds; each one's goodput is "
+        "the mean of its runs (one 30 s run swings by a tenth or more)",
+    )
+    p.add_argument(
         "--warm-up-rate",
         type=float,
         default=1.0,
@@ -218,6 +228,7 @@ def main() -> None:
                 "policy": args.policy,
                 "rebalance": args.rebalance,
                 "max_hold_s": args.max_hold,
+                "repeats": args.repeats,
                 "slo_ms": result["slo_ms"],
                 "peak_goodput_req_per_s": result["peak_goodput"],
                 "saturation_rate_req_per_s": result["saturation_rate"],

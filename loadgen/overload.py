@@ -9,10 +9,20 @@ then offer multiples of that rate and see how much of the peak goodput it keeps.
              rates, the sweep climbs: from ``start_rate``, each rate ``climb`` times
              the last, until one run is past saturation (``past_saturation``), so one
              harness finds the knee of a server whatever its speed
-    peak     the rate whose run gave the sweep's best goodput, run again: the peak
-             goodput is the mean of the two (``peak_goodput``)
-    over     each factor k: the same workload at k x the saturation rate; its goodput
-             as a fraction of the peak, and how fast its refusals were answered
+    peak     the rate whose run gave the sweep's best goodput, run again
+             ``repeats`` times: the peak goodput is the mean of those runs and the
+             sweep's (``peak_goodput``)
+    over     each factor k: the same workload at k x the saturation rate, run
+             ``repeats`` times; its goodput (the mean of its runs) as a fraction of
+             the peak, and how fast its refusals were answered
+
+The repeated runs go in rounds, peak then each factor, so a spell of a slower host
+falls on all of them alike. One run's goodput past saturation swings by a tenth or
+more from run to run on the same arrivals (live, 2 prefill + 2 decode on 2 AVX-512
+cores: 5.57 to 7.17 good req/s over eleven 30 s runs at 15.2 req/s, mean 6.3, while
+runs at 7.6 and 10.1 req/s read 6.0-6.4); a ratio of two single runs then fell under
+0.9 in two of two tries though the means are level, and the mean of three runs each
+narrows that swing by about 1.7.
 
 A warm-up run (``warm_up_rate``, uncounted) may come first.
 
@@ -55,6 +65,7 @@ from services.heap import collector_paused
 __all__ = [
     "ATTAINMENT",
     "OverloadConfig",
+    "combine_runs",
     "next_sweep_rate",
     "past_saturation",
     "peak_goodput",
@@ -95,6 +106,7 @@ class OverloadConfig:
     duration_s: float = 10.0
     settle_s: float = 3.0
     over_duration_s: float | None = None  # each factor's run (None: duration_s; see above)
+    repeats: int = 1  # runs at the peak's rate and at each factor (see above)
     bench: BenchConfig | None = None  # endpoint, tokenizer, ... (base_url and rate set here)
     start_rate: float = 1.0  # the climbing sweep's first rate, requests/s
     climb: float = 1.5  # each next rate, times the last
@@ -104,6 +116,10 @@ class OverloadConfig:
     # "prefill speed", and a climbing sweep stops at a first run past saturation).
     warm_up_rate: float = 0.0  # requests/s; 0: no warm-up
     warm_up_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats: want at least 1 run, got {self.repeats}")
 
 
 def run_overload(
@@ -140,36 +156,68 @@ def run_overload(
             sweep.append(run(rate, "sweep"))
             rate = next_sweep_rate(sweep, config.climb, config.max_sweep_runs)
     best = max(sweep, key=lambda row: row["window_goodput"])
-    again = run(best["rate"], "peak")
-    peak = peak_goodput(best, again)
     saturation = saturation_rate(sweep)
     over_s = config.over_duration_s or config.duration_s
-    over = [run(k * saturation, f"{k:g}x", over_s) for k in config.factors]
-    for row, k in zip(over, config.factors, strict=True):
+    again: list[dict[str, Any]] = []
+    runs: list[list[dict[str, Any]]] = [[] for _ in config.factors]
+    for _ in range(config.repeats):  # in rounds: see the module
+        again.append(run(best["rate"], "peak"))
+        for k, factor_runs in zip(config.factors, runs, strict=True):
+            factor_runs.append(run(k * saturation, f"{k:g}x", over_s))
+    peak = peak_goodput(best, again)
+    over = []
+    for k, factor_runs in zip(config.factors, runs, strict=True):
+        row = combine_runs(factor_runs)
         row["factor"] = k
         row["of_peak"] = row["window_goodput"] / peak if peak else 0.0
+        over.append(row)
     return {
         "peak_goodput": peak,
         "saturation_rate": saturation,
         "sweep": sweep,
-        "peak": again,
+        "peak": combine_runs(again),
         "over": over,
     }
 
 
-def peak_goodput(best: dict[str, Any], again: dict[str, Any]) -> float:
+def combine_runs(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Runs at one rate as one row: goodput, attainment and latencies the mean of the
+    runs', counts and errors summed, refusal latencies the slowest run's; ``runs`` is
+    each run's ``window_goodput``."""
+    first = rows[0]
+    combined = {"phase": first["phase"], "rate": first["rate"]}
+    combined["runs"] = [row["window_goodput"] for row in rows]
+    for key in (*_KEYS, "window_goodput"):
+        values = [row[key] for row in rows if row.get(key) is not None]
+        if not values:
+            combined[key] = None
+        elif key in ("completed", "rejected", "failed"):
+            combined[key] = sum(values)
+        elif key in ("p99_rejection_ms", "max_rejection_ms"):
+            combined[key] = max(values)
+        else:
+            combined[key] = sum(values) / len(values)
+    errors: Counter[str] = Counter()
+    for row in rows:
+        errors.update(row["errors"])
+    combined["errors"] = dict(errors)
+    return combined
+
+
+def peak_goodput(best: dict[str, Any], again: Sequence[dict[str, Any]]) -> float:
     """The peak goodput (requests/s): the mean ``window_goodput`` of the sweep's best run
-    and of ``again``, a second run at its rate.
+    and of ``again``, the runs made again at its rate.
 
     Not the best run alone: one window's goodput swings from run to run (with the
     host's speed, and with which of its arrivals admission took), and the best of the
     several runs a sweep makes near its knee is the one that swung highest. Live on 2
     AVX2 cores (2 prefill + 2 decode, 30 s windows), the best run and its second run
     read 2.97 and 2.53 req/s in one sweep, 3.77 and 2.50 in another; one sweep's best
-    alone, 3.73, put its 3x run (3.07) at 0.82 of it. A second run at the best run's
-    rate halves that draw's pull, and measures the peak at one rate, not mixed with a
-    slower run's."""
-    return (float(best["window_goodput"]) + float(again["window_goodput"])) / 2.0
+    alone, 3.73, put its 3x run (3.07) at 0.82 of it. Runs made again at the best run's
+    rate dilute that draw's pull (one halves it, three quarter it), and measure the
+    peak at one rate, not mixed with a slower run's."""
+    goodputs = [float(row["window_goodput"]) for row in (best, *again)]
+    return sum(goodputs) / len(goodputs)
 
 
 def saturation_rate(sweep: Sequence[dict[str, Any]]) -> float:

@@ -169,3 +169,66 @@ def test_each_run_is_timed_with_the_client_s_collector_paused(
     overload.run_overload(config)
     assert server.collector_on == [rate * 10.0 > 20 for rate in server.rates]
     assert any(server.collector_on) and not all(server.collector_on)
+
+
+def test_repeated_runs_go_in_rounds_and_each_factor_is_the_mean_of_its_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One run past saturation swings by a tenth or more: with ``repeats`` the peak's
+    rate and each factor run that many times, in rounds, and each is read as a mean."""
+    # Capacity 3: the sweep saturates at 2.25 req/s (3.375 keeps 89%), so 2x is 4.5 and
+    # 3x 6.75; the first run at 4.5 reads 1.5x, the first at 6.75 0.6x.
+    server = FakeServer(capacity=3.0, cold_share=1.0, lucky={4.5: 1.5, 6.75: 0.6})
+    monkeypatch.setattr(overload, "run_bench", server)
+    config = OverloadConfig(
+        "http://fake",
+        WorkloadConfig(),
+        GoodputSLO(ttft_ms=1000),
+        duration_s=10.0,
+        settle_s=0.0,
+        repeats=3,
+    )
+    result = overload.run_overload(config)
+    sweep = [row["rate"] for row in result["sweep"]]
+    assert server.rates[len(sweep) :] == [3.375, 4.5, 6.75] * 3  # peak, 2x, 3x; in rounds
+    assert result["peak"]["runs"] == pytest.approx([3.0] * 3)
+    assert result["peak_goodput"] == pytest.approx(3.0)  # the sweep's best and 3 runs again
+    two, three = result["over"]
+    assert two["runs"] == pytest.approx([4.5, 3.0, 3.0])
+    assert two["window_goodput"] == pytest.approx(3.5)
+    assert two["of_peak"] == pytest.approx(3.5 / 3.0)
+    assert three["runs"] == pytest.approx([1.8, 3.0, 3.0])
+    assert three["of_peak"] == pytest.approx(2.6 / 3.0)
+
+
+def test_combined_runs_sum_their_counts_and_keep_the_slowest_refusal() -> None:
+    def row(goodput: float, rejected: int, max_ms: float, errors: dict[str, int]) -> dict:
+        return {
+            "phase": "3x",
+            "rate": 9.0,
+            "window_goodput": goodput,
+            "slo_attainment": goodput / 9.0,
+            "completed": 100,
+            "rejected": rejected,
+            "failed": rejected,
+            "max_rejection_ms": max_ms,
+            "p99_rejection_ms": max_ms / 2,
+            "median_ttft_ms": None,
+            "errors": errors,
+        }
+
+    combined = overload.combine_runs(
+        [row(6.0, 10, 12.0, {"429": 10}), row(5.0, 20, 31.0, {"429": 19, "400": 1})]
+    )
+    assert combined["runs"] == [6.0, 5.0]
+    assert combined["window_goodput"] == pytest.approx(5.5)
+    assert (combined["completed"], combined["rejected"], combined["failed"]) == (200, 30, 30)
+    assert combined["max_rejection_ms"] == 31.0
+    assert combined["p99_rejection_ms"] == 15.5
+    assert combined["errors"] == {"429": 29, "400": 1}
+    assert combined["median_ttft_ms"] is None
+
+
+def test_repeats_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="repeats: want at least 1 run, got 0"):
+        OverloadConfig("http://fake", WorkloadConfig(), GoodputSLO(ttft_ms=1000), repeats=0)
