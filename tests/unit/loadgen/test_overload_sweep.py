@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -105,21 +106,19 @@ class FakeServer:
         return BenchResult({"slo_attainment": good / rate}, records)
 
 
+def fake_config(**overrides: Any) -> OverloadConfig:
+    """The overload run against a ``FakeServer``: 10 s windows, no settling."""
+    settings: dict[str, Any] = {"duration_s": 10.0, "settle_s": 0.0} | overrides
+    return OverloadConfig("http://fake", WorkloadConfig(), GoodputSLO(ttft_ms=1000), **settings)
+
+
 @pytest.mark.parametrize("warm_up_rate", [0.0, 1.0])
 def test_a_warm_up_run_keeps_a_cold_server_out_of_the_sweep(
     monkeypatch: pytest.MonkeyPatch, warm_up_rate: float
 ) -> None:
     server = FakeServer(capacity=3.0)
     monkeypatch.setattr(overload, "run_bench", server)
-    config = OverloadConfig(
-        "http://fake",
-        WorkloadConfig(),
-        GoodputSLO(ttft_ms=1000),
-        duration_s=10.0,
-        settle_s=0.0,
-        warm_up_rate=warm_up_rate,
-        warm_up_s=5.0,
-    )
+    config = fake_config(warm_up_rate=warm_up_rate, warm_up_s=5.0)
     result = overload.run_overload(config)
     if not warm_up_rate:  # cold, the first run looks past saturation and ends the sweep
         assert [row["rate"] for row in result["sweep"]] == [1.0]
@@ -138,9 +137,7 @@ def test_the_peak_is_the_best_run_and_a_second_run_at_its_rate(
     """A run that read high by chance is not the peak the overloaded runs are held to."""
     server = FakeServer(capacity=3.0, cold_share=1.0, lucky={5.0625: 1.2})
     monkeypatch.setattr(overload, "run_bench", server)
-    config = OverloadConfig(
-        "http://fake", WorkloadConfig(), GoodputSLO(ttft_ms=1000), duration_s=10.0, settle_s=0.0
-    )
+    config = fake_config()
     result = overload.run_overload(config)
     assert [row["rate"] for row in result["sweep"]] == [1.0, 1.5, 2.25, 3.375, 5.0625, 7.59375]
     assert result["peak"]["rate"] == 5.0625  # the lucky run's rate, run again
@@ -155,9 +152,7 @@ def test_each_run_is_timed_with_the_client_s_collector_paused(
     held to 50 ms): each run goes without one, and the collector is back on after."""
     server = FakeServer(capacity=3.0, cold_share=1.0)
     monkeypatch.setattr(overload, "run_bench", server)
-    config = OverloadConfig(
-        "http://fake", WorkloadConfig(), GoodputSLO(ttft_ms=1000), duration_s=10.0, settle_s=0.0
-    )
+    config = fake_config()
     assert gc.isenabled()
     overload.run_overload(config)
     assert len(server.collector_on) >= 4 and not any(server.collector_on)
@@ -180,14 +175,7 @@ def test_repeated_runs_go_in_rounds_and_each_factor_is_the_mean_of_its_runs(
     # 3x 6.75; the first run at 4.5 reads 1.5x, the first at 6.75 0.6x.
     server = FakeServer(capacity=3.0, cold_share=1.0, lucky={4.5: 1.5, 6.75: 0.6})
     monkeypatch.setattr(overload, "run_bench", server)
-    config = OverloadConfig(
-        "http://fake",
-        WorkloadConfig(),
-        GoodputSLO(ttft_ms=1000),
-        duration_s=10.0,
-        settle_s=0.0,
-        repeats=3,
-    )
+    config = fake_config(repeats=3)
     result = overload.run_overload(config)
     sweep = [row["rate"] for row in result["sweep"]]
     assert server.rates[len(sweep) :] == [3.375, 4.5, 6.75] * 3  # peak, 2x, 3x; in rounds
@@ -231,4 +219,4 @@ def test_combined_runs_sum_their_counts_and_keep_the_slowest_refusal() -> None:
 
 def test_repeats_below_one_are_refused() -> None:
     with pytest.raises(ValueError, match="repeats: want at least 1 run, got 0"):
-        OverloadConfig("http://fake", WorkloadConfig(), GoodputSLO(ttft_ms=1000), repeats=0)
+        fake_config(repeats=0)
