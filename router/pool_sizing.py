@@ -86,9 +86,16 @@ def plan_pools(
     transfer_s = model.transfer_s(workload.mean_prompt_tokens * profile.kv_bytes_per_token)
     ttft_target_s = slo.ttft_s if slo.ttft_s is not None else math.inf
 
+    def ttft_at(num_prefill: int) -> float:  # M/D/1 over the pool, plus the transfer
+        return _md1_ttft_s(rate_per_s / num_prefill, prefill_s) + transfer_s
+
     shortfalls = []
-    num_prefill = max(1, math.ceil(rate_per_s * prefill_s / max_utilization))
-    ttft_s = _md1_ttft_s(rate_per_s / num_prefill, prefill_s) + transfer_s
+    needed = max(1, math.ceil(rate_per_s * prefill_s / max_utilization))
+    num_prefill = min(needed, max_workers)  # TTFT is predicted at the size planned
+    if needed > max_workers:
+        shortfalls.append(
+            f"the rate needs {needed} prefill workers, more than the most planned ({max_workers})"
+        )
     if prefill_s + transfer_s >= ttft_target_s:  # no queue at all would still miss it
         shortfalls.append(
             f"no prefill pool meets the TTFT target of {ttft_target_s * 1e3:g} ms: one "
@@ -96,10 +103,10 @@ def plan_pools(
             f"{transfer_s * 1e3:.1f} ms of KV transfer"
         )
     else:
-        while ttft_s > ttft_target_s and num_prefill < max_workers:
+        while ttft_at(num_prefill) > ttft_target_s and num_prefill < max_workers:
             num_prefill += 1
-            ttft_s = _md1_ttft_s(rate_per_s / num_prefill, prefill_s) + transfer_s
-        if ttft_s > ttft_target_s:
+        ttft_s = ttft_at(num_prefill)
+        if ttft_s > ttft_target_s and needed <= max_workers:  # else named above
             shortfalls.append(
                 f"{max_workers} prefill workers (the most planned) predict a TTFT of "
                 f"{ttft_s * 1e3:.1f} ms, above the target of {ttft_target_s * 1e3:g} ms"
@@ -109,19 +116,16 @@ def plan_pools(
     shortfalls += why_not
     in_flight = rate_per_s * workload.mean_output_tokens * step_s
     num_decode = max(1, math.ceil(in_flight / batch))
-    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
-        if count > max_workers:
-            shortfalls.append(
-                f"the rate needs {count} {role} workers, more than the most planned ({max_workers})"
-            )
-    if num_prefill > max_workers:  # predicted at the size planned: the queue grows
-        num_prefill = max_workers
-        ttft_s = _md1_ttft_s(rate_per_s / num_prefill, prefill_s) + transfer_s
+    if num_decode > max_workers:
+        shortfalls.append(
+            f"the rate needs {num_decode} decode workers, more than the most planned "
+            f"({max_workers})"
+        )
     return PoolPlan(
         num_prefill,
         min(num_decode, max_workers),
         prefill_s,
-        ttft_s,
+        ttft_at(num_prefill),
         batch,
         step_s,
         tuple(shortfalls),

@@ -268,10 +268,14 @@ def test_a_target_no_pool_meets_is_named_not_sized_for(
     assert plan.to_dict()["meets_targets"] is False
 
 
-def test_a_rate_beyond_the_most_workers_is_named_and_predicted_at_the_cap() -> None:
+@pytest.mark.parametrize("ttft_s", [1.0, 0.25])
+def test_a_rate_beyond_the_most_workers_is_named_and_predicted_at_the_cap(ttft_s: float) -> None:
     # 20 000/s × 0.11 s / 0.8 needs 2750 prefill workers, and (as in the sizing by hand)
-    # 20 000 × 100 × 0.012665 / 13 -> 1949 decode workers; the cap is 1000.
-    plan = plan_pools(20_000.0, PROFILE, WORKLOAD, SLO(ttft_s=1.0, tpot_s=0.02), max_workers=1000)
+    # 20 000 × 100 × 0.012665 / 13 -> 1949 decode workers; the cap is 1000. At 2750 the
+    # TTFT would be 0.43 s, over a 0.25 s target; at the cap the queue only grows, which
+    # the first shortfall says: nothing is predicted at a size that is not planned.
+    slo = SLO(ttft_s=ttft_s, tpot_s=0.02)
+    plan = plan_pools(20_000.0, PROFILE, WORKLOAD, slo, max_workers=1000)
     assert plan.shortfalls == (
         "the rate needs 2750 prefill workers, more than the most planned (1000)",
         "the rate needs 1949 decode workers, more than the most planned (1000)",
