@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -28,13 +28,13 @@ from services.gateway.access import AccessGate, KeyFile
 from services.gateway.bounds import check_bounds
 from services.gateway.errors import (
     APIError,
-    BadRequest,
     ModelNotFound,
     NotReady,
     PayloadTooLarge,
 )
 from services.gateway.fields import check_fields
 from services.gateway.images import chat_prompt
+from services.gateway.invalid import validation_error
 from services.gateway.prepare import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.respond import respond
@@ -156,29 +156,6 @@ async def _off_loop_if_large(request: Request, fn: Callable[..., T], *args: Any)
 
 def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers())
-
-
-def validation_error(errors: Sequence[Any]) -> BadRequest:
-    """The 400 for a body FastAPI could not validate: the first error, naming its field;
-    a body that is not JSON, or not a JSON object, is said to be so (pydantic's own words
-    for those name no field, or a character offset as if it were one)."""
-    first = errors[0] if errors else {}
-    kind = first.get("type")
-    loc = tuple(first.get("loc", ()))
-    if kind == "json_invalid":
-        reason = first.get("ctx", {}).get("error") or "cannot be decoded"
-        at = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
-        where = "" if at is None else f" (at character {at})"
-        return BadRequest(f"the request body is not valid JSON: {reason}{where}")
-    if loc == ("body",):
-        if kind == "missing":
-            return BadRequest("the request body is empty: send a JSON object")
-        return BadRequest("the request body must be a JSON object")
-    fields = [str(part) for part in loc if part != "body"]
-    message = str(first.get("msg", "invalid request"))
-    if fields:
-        message += f" ({'.'.join(fields)})"
-    return BadRequest(message, ".".join(fields) or None)
 
 
 def served_routes(app: FastAPI) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "ChatCompletionRequest",
@@ -49,6 +49,15 @@ class ContentPart(_Body):
     type: Literal["text", "image_url", "input_text"]
     text: str | None = None
     image_url: ImageURL | None = None
+
+    @model_validator(mode="after")
+    def _has_its_field(self) -> ContentPart:
+        """A part carries what its type names: a text part without ``text`` was read
+        as empty text, which the client did not send."""
+        needs = "image_url" if self.type == "image_url" else "text"
+        if getattr(self, needs) is None:
+            raise ValueError(f"a content part of type {self.type!r} needs its {needs!r} field")
+        return self
 
 
 class FunctionCall(_Body):
