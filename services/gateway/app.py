@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI on uvicorn).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+(and ``GET /v1/models/{model}``, the served one or 404),
 ``GET /health`` (200 ready, 503 starting or draining), ``GET /ready`` (the same status,
 with every worker slot: ready, starting, or down and why), ``GET /metrics``
 (Prometheus), ``GET /openapi.json`` (and its pages ``/docs`` and ``/redoc``). Every
@@ -97,9 +98,8 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
     async def metrics() -> Response:
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
-    async def models() -> dict[str, Any]:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": svc.model_name,
             "object": "model",
             "created": int(svc.started_s),
@@ -108,7 +108,16 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
             "parent": None,
             "max_model_len": svc.max_model_len(),
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    # ``:path``: a served name may have slashes (``meta-llama/Llama-3.1-8B``).
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(auth)])
+    async def model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return model_card()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -169,8 +178,8 @@ def served_routes(app: FastAPI) -> list[tuple[str, str]]:
         if path is None or path == app.swagger_ui_oauth2_redirect_url:
             continue
         for method in sorted(getattr(route, "methods", None) or ()):
-            if method != "HEAD":
-                served.append((method, path))
+            if method != "HEAD":  # path_format: ``{model}``, not ``{model:path}``
+                served.append((method, getattr(route, "path_format", path)))
     return served
 
 

@@ -58,8 +58,12 @@ def client(server: ServedGateway) -> OpenAI:
     return OpenAI(base_url=f"{server.base_url}/v1", api_key="EMPTY", max_retries=0)
 
 
-def test_models_list(client: OpenAI) -> None:
+def test_models_list_and_retrieve(client: OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL) == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/not-served")  # a slash in a name is one name
+    assert missing.value.code == "model_not_found" and "org/not-served" in missing.value.message
 
 
 def test_chat_stream_equals_non_stream_with_usage(client: OpenAI, server: ServedGateway) -> None:

@@ -148,8 +148,8 @@ async def test_an_unknown_route_or_method_says_what_is_served(gateway: Any) -> N
     error = missing.json()["error"]
     assert error["type"] == "NotFoundError"
     assert error["message"] == (
-        "no route /v1/embeddings; Baton serves GET /v1/models, POST /v1/chat/completions,"
-        " POST /v1/completions, GET /openapi.json, GET /docs, GET /redoc, GET /health, GET /ready and"
+        "no route /v1/embeddings; Baton serves GET /v1/models, GET /v1/models/{model},"
+        " POST /v1/chat/completions, POST /v1/completions, GET /openapi.json, GET /docs, GET /redoc, GET /health, GET /ready and"
         " GET /metrics"
     )
     wrong = await client.get("/v1/completions")
