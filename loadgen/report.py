@@ -18,6 +18,7 @@ from loadgen.plots import plot_attainment_vs_rate, plot_latency_cdfs, plot_over_
 
 __all__ = [
     "TABLE_KEYS",
+    "UNITS",
     "compare_table",
     "format_table",
     "load_summary",
@@ -94,8 +95,24 @@ def _fmt(value: Any) -> str:
             return str(value)
 
 
+# The printed tables' units where the key (vLLM's name, kept in summary.json) has none.
+UNITS = {
+    "duration": "s",
+    "request_throughput": "req/s",
+    "output_throughput": "tok/s",
+    "total_token_throughput": "tok/s",
+    "request_goodput": "req/s",
+    "slo_attainment": "share",
+}
+
+
+def _label(key: str) -> str:
+    unit = UNITS.get(key)
+    return f"{key} ({unit})" if unit else key
+
+
 def format_table(summary: dict[str, Any], title: str = "Result") -> str:
-    rows = [(k, _fmt(summary.get(k))) for k in TABLE_KEYS if k in summary]
+    rows = [(_label(k), _fmt(summary.get(k))) for k in TABLE_KEYS if k in summary]
     width = max(len(k) for k, _ in rows)
     lines = [f"{'=' * 12} {title} {'=' * 12}"]
     lines += [f"{k:<{width}}  {v:>14}" for k, v in rows]
@@ -105,12 +122,12 @@ def format_table(summary: dict[str, Any], title: str = "Result") -> str:
 def compare_table(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")) -> str:
     """Two summaries side by side with B/A ratios."""
     keys = [k for k in TABLE_KEYS if k in a or k in b]
-    width = max(len(k) for k in keys)
+    width = max(len(_label(k)) for k in keys)
     lines = [f"{'metric':<{width}}  {names[0]:>14}  {names[1]:>14}  {'B/A':>8}"]
     for k in keys:
         va, vb = a.get(k), b.get(k)
         ratio = "-"
         if isinstance(va, int | float) and isinstance(vb, int | float) and va:
             ratio = f"{vb / va:.3f}"
-        lines.append(f"{k:<{width}}  {_fmt(va):>14}  {_fmt(vb):>14}  {ratio:>8}")
+        lines.append(f"{_label(k):<{width}}  {_fmt(va):>14}  {_fmt(vb):>14}  {ratio:>8}")
     return "\n".join(lines)

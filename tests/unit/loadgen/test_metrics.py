@@ -99,6 +99,10 @@ def test_refusals_are_counted_with_how_fast_they_were_answered() -> None:
     names = [line.split()[0] for line in lines[1:]]
     assert names[:4] == ["completed", "failed", "rejected", "p99_rejection_ms"]
     assert lines[3].split() == ["rejected", "2"]
+    # Every number has its unit: in the key (``_ms``) or beside it.
+    rows = {line.rsplit(None, 1)[0].strip(): line.split()[-1] for line in lines[1:]}
+    assert rows["duration (s)"] == "1.00" and "request_throughput (req/s)" in rows
+    assert "output_throughput (tok/s)" in rows and "mean_ttft_ms" in rows
 
 
 def test_a_scaled_slo_multiplies_every_set_target_and_leaves_the_rest_unset() -> None:
