@@ -85,7 +85,12 @@ def _closest(errors: Sequence[Any]) -> tuple[tuple[Any, ...], str]:
 def _names_another_type(branch: Any, path: tuple[Any, ...], error: Any) -> bool:
     """An object shape whose own ``type`` (or other fixed) field the body gave another
     value: ``{"type": "function"}`` is not an ``allowed_tools`` choice."""
-    return branch is not None and error.get("type") in _MISDIRECTED and len(path) == branch[1] + 1
+    return (
+        branch is not None
+        and error.get("type") in _MISDIRECTED
+        and len(path) == branch[1] + 1
+        and isinstance(path[-1], str)  # a field of the shape, not an item of a list
+    )
 
 
 def _parse(error: Any) -> tuple[tuple[tuple[Any, ...], int] | None, tuple[Any, ...], Any]:
