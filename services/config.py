@@ -6,6 +6,7 @@ only by the CLI and deploy/, never here.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -314,8 +315,28 @@ def validated_config(data: dict[str, Any], where: str = "") -> ClusterConfig:
             got = (
                 "" if isinstance(given, dict) or error["type"] == "missing" else f" (got {given!r})"
             )
+            if error["type"] == "extra_forbidden":
+                message = _unknown_key(tuple(error["loc"]))
             problems.append(f"{field}: {message}{got}")
         raise ValueError(where + "; ".join(problems)) from e
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> str:
+    """'unknown key' with the section's key it is likely a typo of, else the section's
+    keys (a typo like ``workers.prefil`` otherwise reads as 'Extra inputs are not
+    permitted', which names no fix)."""
+    section: Any = ClusterConfig
+    for part in loc[:-1]:
+        field = section.model_fields.get(part) if isinstance(part, str) else None
+        annotation = None if field is None else field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return "unknown key"
+        section = annotation
+    keys = [name for name in section.model_fields]
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+    if close:
+        return f"unknown key; did you mean {close[0]!r}?"
+    return f"unknown key; {'.'.join(map(str, loc[:-1])) or 'the top level'} takes {', '.join(keys)}"
 
 
 def yaml_error_where(e: yaml.YAMLError) -> str:

@@ -46,7 +46,9 @@ ADDRESS_IN_USE_EXIT = 3
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="cluster config YAML (default: built-in defaults)")
-    parser.add_argument("--model", help="'tiny' or a local Hugging Face model folder")
+    parser.add_argument(
+        "--model", help="'tiny', 'tiny-vl' (built in) or a local Hugging Face model folder"
+    )
     parser.add_argument("--served-model-name", help="the model id clients send")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")

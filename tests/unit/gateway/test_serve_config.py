@@ -156,7 +156,13 @@ def test_the_serving_line_counts_every_worker_group(
         ("workers: [1\n", "not valid YAML at line 2, column 1: expected ',' or ']'"),
         ("a: b: c\n", "not valid YAML at line 1, column 5: mapping values are not allowed"),
         ("- 1\n", "expected a mapping at the top level"),
-        ("workers:\n  prefil: 2\n", "workers.prefil: Extra inputs are not permitted (got 2)"),
+        ("workers:\n  prefil: 2\n", "workers.prefil: unknown key; did you mean 'prefill'? (got 2)"),
+        ("modle:\n  name: tiny\n", "modle: unknown key; did you mean 'model'?"),
+        (
+            "router:\n  default_slo: {ttft: 5}\n",
+            "router.default_slo.ttft: unknown key; did you mean 'ttft_ms'? (got 5)",
+        ),
+        ("kvtransfer:\n  zzz: 1\n", "kvtransfer.zzz: unknown key; kvtransfer takes backend, "),
         ("gateway:\n  port: 70000\n", "gateway.port: Input should be less than or equal to 65535"),
         (
             "workers:\n  prefill: 0\n  decode: 0\n",
