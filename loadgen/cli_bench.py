@@ -17,11 +17,12 @@ from typing import cast
 
 import httpx
 
-from loadgen.client import BenchConfig, client_api_key, run_bench
+from loadgen.client import BenchConfig, ModelNotServed, client_api_key, run_bench
 from loadgen.console import ProgressBar
 from loadgen.flags import (
     above_zero,
     add_workload_arguments,
+    server_root,
     slo_from_args,
     sweep_from_args,
     workload_from_args,
@@ -35,7 +36,12 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
+    parser.add_argument(
+        "--base-url",
+        type=server_root,
+        default="http://127.0.0.1:8000",
+        help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)",
+    )
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
     parser.add_argument(
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             result = run_bench(config, progress=ProgressBar(label) if interactive else None)
-        except WorkloadError as e:  # found before the first request: images, completions
+        except (WorkloadError, ModelNotServed) as e:  # found before the first request
             print(f"baton bench: {e}", file=sys.stderr)
             return 2
         except (httpx.HTTPError, OSError, RuntimeError) as e:  # unreachable, no model listed

@@ -45,7 +45,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from loadgen.client import client_api_key, discover_model, send_request
+from loadgen.client import client_api_key, send_request, served_model
+from loadgen.flags import server_root
 from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
 
@@ -53,7 +54,12 @@ __all__ = ["add_arguments", "fit_nonnegative", "fit_robust", "measure_profile", 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument(
+        "--base-url",
+        type=server_root,
+        default="http://127.0.0.1:8000",
+        help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)",
+    )
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
     parser.add_argument("--prefill-lens", default="16,64,128,256,512,1024")
@@ -219,7 +225,7 @@ async def measure_profile(
     headers = {"Authorization": f"Bearer {key}"}
     timeout = httpx.Timeout(600.0, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
-        model = args.model or await discover_model(client, base)
+        model = await served_model(client, base, args.model)
         prefill, handoffs = await _prefill_points(
             client, url, kind, model, _ints(args.prefill_lens), args.repeats, args.idle_s, say
         )
@@ -296,7 +302,7 @@ def _to_stderr(line: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         profile = asyncio.run(measure_profile(args, progress=_to_stderr))
-    except ValueError as e:  # an empty --api-key-file
+    except ValueError as e:  # an empty --api-key-file, a --model the server does not serve
         print(f"baton profile: {e}", file=sys.stderr)
         return 2
     except (httpx.HTTPError, OSError, RuntimeError) as e:

@@ -32,10 +32,11 @@ from loadgen.workload import RequestSpec, WorkloadError
 __all__ = [
     "BenchConfig",
     "BenchResult",
+    "ModelNotServed",
     "client_api_key",
-    "discover_model",
     "run_bench",
     "send_request",
+    "served_model",
 ]
 
 EndpointKind = Literal["chat", "completions"]
@@ -196,13 +197,22 @@ def client_api_key(path: str | None, environ: Mapping[str, str]) -> str:
     return api_key(path, dict(environ)) or environ.get("OPENAI_API_KEY") or "EMPTY"
 
 
-async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:
+class ModelNotServed(ValueError):
+    """``--model`` names a model the server does not list: every request would be a 404."""
+
+
+async def served_model(client: httpx.AsyncClient, base_url: str, wanted: str | None) -> str:
+    """``wanted``, once ``/v1/models`` lists it, or the first model listed (None)."""
     resp = await client.get(f"{base_url}/v1/models")
     resp.raise_for_status()
-    models = resp.json().get("data") or []
-    if not models:
+    served = [str(m["id"]) for m in resp.json().get("data") or []]
+    if not served:
         raise RuntimeError(f"{base_url}/v1/models lists no model")
-    return str(models[0]["id"])
+    if wanted is None:
+        return served[0]
+    if wanted not in served:
+        raise ModelNotServed(f"{base_url} does not serve {wanted!r}; it serves {', '.join(served)}")
+    return wanted
 
 
 async def run_bench_async(config: BenchConfig, progress: Progress | None = None) -> BenchResult:
@@ -222,7 +232,7 @@ async def run_bench_async(config: BenchConfig, progress: Progress | None = None)
             progress(len(records), sum(not r.success for r in records), len(specs))
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
-        model = config.model or await discover_model(client, base)
+        model = await served_model(client, base, config.model)
         run_start = time.perf_counter()
 
         async def one(spec: RequestSpec) -> None:

@@ -16,12 +16,26 @@ __all__ = [
     "Sweep",
     "above_zero",
     "add_workload_arguments",
+    "server_root",
     "slo_from_args",
     "sweep_from_args",
     "workload_from_args",
 ]
 
 Sweep = list[tuple[RateSpec | None, int | None]]  # (rate, concurrency) per run
+
+
+def server_root(text: str) -> str:
+    """An argparse type: a server's root URL as the load tools join paths to it. The
+    ``base_url`` an OpenAI client takes (``http://host:8000/v1``) is accepted too, and a
+    bare ``host:port`` is http: either once asked for ``/v1/v1/models``, or failed with
+    httpx's 'missing an http:// or https:// protocol'."""
+    url = text.strip().rstrip("/")
+    if not url:
+        raise argparse.ArgumentTypeError("want a server URL such as http://127.0.0.1:8000")
+    if "://" not in url:
+        url = "http://" + url
+    return url.removesuffix("/v1")
 
 
 def above_zero(unit: str) -> Callable[[str], float]:

@@ -9,7 +9,7 @@ import pytest
 
 from services.cli import main
 
-from .sse_server import serve
+from .sse_server import MODEL, serve
 
 
 def test_bench_writes_run_folder_and_compares(
@@ -53,6 +53,21 @@ def test_bench_writes_run_folder_and_compares(
     assert main(["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     table = capsys.readouterr().out
     assert "completed" in table and "B/A" in table and "1.000" in table  # 4 vs 4 completed
+
+
+def test_bench_takes_a_client_s_base_url_and_refuses_a_model_not_served(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with serve() as url:  # http://127.0.0.1:PORT
+        common = ["bench", "--num-requests", "2", "--input-len", "4", "--output-len", "2", "--json"]
+        # The OpenAI client's base_url (…/v1) and a bare host:port mean the server.
+        for base in (f"{url}/v1", f"{url}/v1/", url.removeprefix("http://")):
+            assert main([*common, "--base-url", base]) == 0, capsys.readouterr().err
+            assert json.loads(capsys.readouterr().out)["completed"] == 2
+        # A --model the server does not list: exit 2 before any request, naming both.
+        assert main([*common, "--base-url", url, "--model", "nope"]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == f"baton bench: {url} does not serve 'nope'; it serves {MODEL}"
 
 
 def test_bench_unreachable_server_fails_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
