@@ -332,7 +332,7 @@ def _unknown_key(loc: tuple[Any, ...]) -> str:
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return "unknown key"
         section = annotation
-    keys = [name for name in section.model_fields]
+    keys = list(section.model_fields)
     close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
     if close:
         return f"unknown key; did you mean {close[0]!r}?"

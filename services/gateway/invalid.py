@@ -17,6 +17,7 @@ shapes all stop at the field itself (``content: 5``) the message lists what it m
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,22 +57,23 @@ def validation_error(errors: Sequence[Any]) -> BadRequest:
 
 def _closest(errors: Sequence[Any]) -> tuple[tuple[Any, ...], str]:
     """The path (tags dropped) and message of the error to answer with."""
-    parsed = [_parse(e) for e in errors]
-    misdirected = {branch for branch, path, e in parsed if _names_another_type(branch, path, e)}
+    parsed = []
+    for error in errors:
+        branch, path = _parse(error)
+        parsed.append((branch, path, error, _names_another_type(branch, path, error)))
+    misdirected = {branch for branch, _, _, other in parsed if other}
     ranked = []
-    for branch, path, e in parsed:
+    for branch, path, e, other in parsed:
         if branch is None or (branch not in misdirected and len(path) > branch[1]):
             rank = 2  # inside the shape the client sent
         elif branch in misdirected:
-            if not _names_another_type(branch, path, e):
+            if not other:
                 continue  # what else is wrong with a shape not meant: beside the point
             rank = 1  # its ``type`` field: say which values it may take
         else:
             rank = 0  # the field is not of this shape at all
         ranked.append((rank, branch, path, e))
-    sizes: dict[Any, int] = {}
-    for _, branch, _, _ in ranked:
-        sizes[branch] = sizes.get(branch, 0) + 1
+    sizes = Counter(branch for _, branch, _, _ in ranked)
     # Rank, then depth, then the shape with the fewest complaints, then pydantic's order.
     rank, _, path, best = min(ranked, key=lambda r: (-r[0], -len(r[2]), sizes[r[1]]))
     # Every shape stopped at the same place (``content: 5``): say what it may be.
@@ -93,9 +95,9 @@ def _names_another_type(branch: Any, path: tuple[Any, ...], error: Any) -> bool:
     )
 
 
-def _parse(error: Any) -> tuple[tuple[tuple[Any, ...], int] | None, tuple[Any, ...], Any]:
+def _parse(error: Any) -> tuple[tuple[tuple[Any, ...], int] | None, tuple[Any, ...]]:
     """(the union shape it belongs to: its location up to the tag and the number of
-    fields before the tag, or None; its path with ``body`` and the tags dropped; it)."""
+    fields before the tag, or None; its path with ``body`` and the tags dropped)."""
     branch = None
     path: list[Any] = []
     for i, part in enumerate(error.get("loc", ())):
@@ -106,7 +108,7 @@ def _parse(error: Any) -> tuple[tuple[tuple[Any, ...], int] | None, tuple[Any, .
                 branch = (tuple(error["loc"][: i + 1]), len(path))
             continue
         path.append(part)
-    return branch, tuple(path), error
+    return branch, tuple(path)
 
 
 def _is_tag(part: Any) -> bool:
