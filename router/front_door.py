@@ -153,6 +153,11 @@ class Router:
         self._links.forget(worker_id)
         self.admission.forget(worker_id)
 
+    def revive(self, worker_id: str) -> None:
+        """A new worker under an id marked dead (a control plane started anew reuses its
+        workers' ids): its reports count again."""
+        self._dead.discard(worker_id)
+
     def is_alive(self, worker_id: str) -> bool:
         return worker_id in self._workers
 

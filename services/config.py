@@ -285,6 +285,27 @@ class ClusterConfig(_Section):
             node[leaf] = value
         return validated_config(data)
 
+    def differences(self, other: ClusterConfig) -> list[str]:
+        """Each dotted key whose value differs, as ``key: this, other`` (secrets as
+        ``differs``): what ``baton cluster up`` names when the plane already running was
+        started with another configuration."""
+        lines: list[str] = []
+        _differences(self.model_dump(), other.model_dump(), "", lines)
+        return lines
+
+
+_SECRET_KEYS = frozenset({"api_key"})
+
+
+def _differences(a: Any, b: Any, prefix: str, lines: list[str]) -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in a:
+            _differences(a[key], b.get(key), f"{prefix}{key}.", lines)
+    elif a != b:
+        key = prefix.removesuffix(".")
+        shown = "differs" if key.rsplit(".", 1)[-1] in _SECRET_KEYS else f"{a!r}, {b!r}"
+        lines.append(f"{key}: {shown}")
+
 
 def load_config(path: str | Path | None) -> ClusterConfig:
     """Load a ClusterConfig from YAML (None: the defaults)."""

@@ -1,6 +1,6 @@
-"""``baton gateway --ray-address ADDR``: one more gateway over a running control plane.
+"""``baton gateway``: one more gateway over a running control plane.
 
-    baton gateway --ray-address ADDR [--host 0.0.0.0] [--port 8000] [--api-keys-file keys.yaml]
+    baton gateway [--ray-address ADDR] [--host 0.0.0.0] [--port 8000] [--api-keys-file keys.yaml]
 
 The cluster's config comes from the controller (``baton cluster up``), so the
 model, router and gateway sections match; these flags override the gateway's own
@@ -17,13 +17,15 @@ import logging
 import os
 import sys
 
+from services.cluster import join
 from services.cluster import serve as serve_cli
+from services.cluster.cli_cluster import ADDRESS_HELP
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ray-address", help="the Ray cluster (default: $RAY_ADDRESS)")
+    parser.add_argument("--ray-address", help=ADDRESS_HELP)
     parser.add_argument("--host", help="address to bind (default: the cluster config's)")
     parser.add_argument("--port", type=int, help="port to bind (default: the cluster config's)")
     parser.add_argument(
@@ -38,16 +40,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    if not ray_address:
-        print("baton gateway: --ray-address (or RAY_ADDRESS) is required", file=sys.stderr)
-        return 2
+    ray_address = join.ray_address(args.ray_address, os.environ)
     import ray
 
     from services.cluster.control_plane import NAMESPACE, find_control_plane
     from services.engine.messages import EngineError
 
-    ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
+    if (failure := join.join(ray_address, "baton gateway", NAMESPACE)) is not None:
+        print(failure, file=sys.stderr)
+        return 1
     plane = find_control_plane()
     if plane is None:
         print("baton gateway: no control plane here; run `baton cluster up`", file=sys.stderr)

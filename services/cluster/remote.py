@@ -2,10 +2,17 @@
 
     start()        find ``baton-controller``, wait until its workers are ready, then
                    keep its registry (polled) and one telemetry watch per worker
-    watch          every snapshot goes to ``on_snapshot`` (this gateway's Router); a
-                   watch that ends, or a worker leaving the registry, is ``on_worker_down``
+    watch          ``on_worker_up`` as a watch starts; every snapshot goes to
+                   ``on_snapshot`` (this gateway's Router); a watch that ends, or a
+                   worker leaving the registry, is ``on_worker_down``
     report_dead    a stream saw the worker die: forget it here, tell the controller
     stop()         end the watches; the workers and the controller keep running
+
+While the controller cannot be reached the gateway serves with the workers it watches,
+warns once (and once a minute after), and looks the controller up by name again: a
+controller that Ray restarts is the same actor, but one started anew after ``baton
+cluster down`` and ``up`` is another, whose workers may reuse the old ids. Its registry
+is then the truth: the ids seen dead here are forgotten, and its workers adopted.
 
 Same surface as ``Controller`` for ``GatewayService`` (client, workers, is_ready,
 report_dead, set_role), but it launches and kills nothing.
@@ -28,6 +35,8 @@ __all__ = ["RemoteController", "find_ray_worker_of"]
 
 log = logging.getLogger(__name__)
 
+_WARN_EVERY_S = 60.0  # while the control plane does not answer
+
 
 @dataclass(slots=True)
 class _Watched:
@@ -45,13 +54,17 @@ class RemoteController:
         *,
         on_snapshot: Callable[[WorkerSnapshot], None],
         on_worker_down: Callable[[str, Role], None],
+        on_worker_up: Callable[[str], None] = lambda worker_id: None,
+        find_plane: Callable[[], Any | None] = lambda: None,
         poll_interval_s: float = 0.25,
         ready_timeout_s: float = 300.0,
     ) -> None:
         self._plane = plane
         self._find_worker = find_worker
+        self._find_plane = find_plane
         self._on_snapshot = on_snapshot
         self._on_worker_down = on_worker_down
+        self._on_worker_up = on_worker_up
         self._poll_interval_s = poll_interval_s
         self._ready_timeout_s = ready_timeout_s
         self._watched: dict[str, _Watched] = {}
@@ -103,14 +116,41 @@ class RemoteController:
 
     # -- internals ------------------------------------------------------------------------
     async def _poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        lost_s: float | None = None  # since when the controller has not answered
+        warned_s = 0.0
         while True:
             await asyncio.sleep(self._poll_interval_s)
             try:
                 registry: Registry = await self._plane.registry.remote()
-            except Exception as e:  # the controller restarting: keep serving what we have
-                log.warning("controller registry unavailable (%s); retrying", type(e).__name__)
+            except Exception as e:  # restarting, or gone: keep serving what we have
+                now = loop.time()
+                if lost_s is None or now - warned_s >= _WARN_EVERY_S:
+                    since = "" if lost_s is None else f" for {now - lost_s:.0f} s"
+                    log.warning(
+                        "the control plane does not answer%s (%s); serving with the %d "
+                        "workers this gateway watches, and looking it up again",
+                        since,
+                        type(e).__name__,
+                        len(self._watched),
+                    )
+                    lost_s = now if lost_s is None else lost_s
+                    warned_s = now
+                await self._look_up_plane()
                 continue
+            if lost_s is not None:
+                log.info("the control plane answers again after %.1f s", loop.time() - lost_s)
+                lost_s = None
             self._sync(registry)
+
+    async def _look_up_plane(self) -> None:
+        """The controller by name: another actor than ours (started anew) takes over."""
+        plane = await asyncio.to_thread(self._find_plane)
+        if plane is None or plane == self._plane:
+            return
+        log.info("a new control plane: adopting the workers its registry lists")
+        self._plane = plane
+        self._gone.clear()
 
     def _sync(self, registry: Registry) -> None:
         listed = {e.worker_id: e for e in registry.workers}
@@ -132,6 +172,7 @@ class RemoteController:
             return  # gone between the registry and now; the next poll tells
         watched = _Watched(entry, client, asyncio.Event())
         self._watched[entry.worker_id] = watched
+        self._on_worker_up(entry.worker_id)
         watched.watch = asyncio.create_task(
             self._telemetry(watched), name=f"watch-{entry.worker_id}"
         )

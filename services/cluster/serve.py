@@ -44,7 +44,10 @@ log = logging.getLogger("baton.serve")
 ADDRESS_IN_USE_EXIT = 3
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    ray_address_help: str = "join this Ray cluster (default: $RAY_ADDRESS; else start one)",
+) -> None:
     parser.add_argument("--config", help="cluster config YAML (default: built-in defaults)")
     parser.add_argument(
         "--model", help="'tiny', 'tiny-vl' (built in) or a local Hugging Face model folder"
@@ -75,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"])
     parser.add_argument("--worker-cpus", type=float, help="Ray CPUs per worker")
-    parser.add_argument("--ray-address", help="join this Ray cluster (default: $RAY_ADDRESS)")
+    parser.add_argument("--ray-address", help=ray_address_help)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
@@ -277,8 +280,13 @@ def build_gateway(config: ClusterConfig) -> Any:
         load_tokenizer(config.model.name),
         (),
         _no_launch,
-        remote_controller=lambda on_snapshot, on_down: RemoteController(
-            plane, find_ray_worker_of(NAMESPACE), on_snapshot=on_snapshot, on_worker_down=on_down
+        remote_controller=lambda on_snapshot, on_down, on_up: RemoteController(
+            plane,
+            find_ray_worker_of(NAMESPACE),
+            on_snapshot=on_snapshot,
+            on_worker_down=on_down,
+            on_worker_up=on_up,
+            find_plane=find_control_plane,
         ),
     )
 

@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (and ``GET /v1/models/{model}``, the served one or 404),
-``GET /health`` (200 ready, 503 starting or draining), ``GET /ready`` (the same status,
+``GET /health`` (200 ready, 503 starting, draining or no worker up), ``GET /ready`` (the same status,
 with every worker slot: ready, starting, or down and why), ``GET /metrics``
 (Prometheus), ``GET /openapi.json`` (and its pages ``/docs`` and ``/redoc``). Every
 error is OpenAI's nested shape; FastAPI's 422 becomes 400 naming the field; bodies over
@@ -67,8 +67,9 @@ def create_app(svc: GatewayService, *, manage_lifecycle: bool = True) -> FastAPI
     auth = gate.authenticate
 
     def ready() -> None:
-        if not svc.is_ready():
-            raise NotReady("the server is starting or draining", 5.0)
+        reason = svc.unready_reason()
+        if reason is not None:
+            raise NotReady(reason, 5.0)
 
     def check_model(name: str) -> None:
         if name != svc.model_name:

@@ -45,7 +45,10 @@ _FALLBACK_POLICY = "round_robin"
 
 
 # (on_snapshot, on_worker_down) -> a controller found elsewhere (cluster.remote.RemoteController)
-ControllerFactory = Callable[[Callable[[WorkerSnapshot], None], Callable[[str, Role], None]], Any]
+# (on_snapshot, on_worker_down, on_worker_up) -> a controller
+ControllerFactory = Callable[
+    [Callable[[WorkerSnapshot], None], Callable[[str, Role], None], Callable[[str], None]], Any
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ class GatewayService:
                 config=controller_config,
             )
             if remote_controller is None
-            else remote_controller(self._on_snapshot, self._on_worker_down)
+            else remote_controller(self._on_snapshot, self._on_worker_down, self.router.revive)
         )
         self.policy_name = self.router.settings.policy
         self.executor = PlanExecutor(
@@ -158,7 +161,17 @@ class GatewayService:
         )
 
     def is_ready(self) -> bool:
-        return self._started and not self.draining and bool(self.router.reports())
+        return self.unready_reason() is None
+
+    def unready_reason(self) -> str | None:
+        """Why requests are refused with 503 now; None when ready."""
+        if not self._started:
+            return "the server is starting"
+        if self.draining:
+            return "the server is draining"
+        if not self.router.reports():
+            return "no worker is up to serve (they are being started or replaced)"
+        return None
 
     def max_model_len(self) -> int | None:
         return min(self._max_model_lens.values(), default=None)

@@ -1,10 +1,14 @@
 """The control plane outlives its gateways: the controller and the workers are named, detached
 Ray actors; a `baton gateway` process restarts without restarting a worker, and killing one
-gateway under load leaves another serving the right texts, with no block left held."""
+gateway under load leaves another serving the right texts, with no block left held;
+`baton cluster up` over a running plane of another size names what differs and changes
+nothing; a gateway serves on through `cluster down` and `up` without a restart."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,7 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
-from services.cluster.control_plane import NAMESPACE, Registry, start_control_plane
+from loadgen.server_proc import ROOT, child_env
+from services.cluster.control_plane import (
+    NAMESPACE,
+    Registry,
+    find_control_plane,
+    start_control_plane,
+)
 from services.cluster.serve import build_gateway
 from services.config import ClusterConfig
 from tests.support.cluster import tiny_config, worker_snapshots
@@ -37,6 +47,15 @@ def plane(ray_cluster: str) -> Iterator[tuple[Any, ClusterConfig]]:
     try:
         yield handle, config
     finally:
+        _down()  # the plane running now (the last test starts one anew)
+
+
+def _down() -> None:
+    """``baton cluster down``: the workers, then the controller."""
+    import ray
+
+    handle = find_control_plane()
+    if handle is not None:
         ray.get(handle.shutdown.remote(), timeout=60)
         ray.kill(handle, no_restart=True)
 
@@ -131,3 +150,58 @@ def test_killing_one_gateway_under_load_leaves_the_other_serving_and_frees_its_b
             assert not s.running and not s.waiting_prompt_lens, worker_id
             assert s.num_held_blocks == 0, worker_id
             assert s.num_used_blocks == 0, (worker_id, s.num_used_blocks)
+
+
+def test_cluster_up_over_a_running_plane_names_what_differs(
+    plane: tuple[Any, ClusterConfig], ray_cluster: str
+) -> None:
+    """``baton cluster up`` asking for another size than the plane running: exit 1 with
+    the keys that differ, the plane untouched (it had said 'up' and kept the old size)."""
+    handle, _ = plane
+    before = _actor_ids(handle)
+    up = [sys.executable, "-m", "services.cli", "cluster", "up", "--ray-address", ray_cluster]
+    done = subprocess.run(
+        [*up, "--model", "tiny", "--prefill", "2", "--decode", "1"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "already running with another configuration" in done.stderr
+    assert "workers.prefill: 1, 2" in done.stderr
+    assert "Run `baton cluster down` first" in done.stderr
+    assert _actor_ids(handle) == before
+
+
+def test_a_gateway_serves_on_through_cluster_down_and_up(
+    plane: tuple[Any, ClusterConfig], ray_cluster: str
+) -> None:
+    """``baton cluster down`` then ``up`` under a running gateway: the new plane's workers
+    reuse the old ids, and the gateway adopts them without a restart (it had kept
+    refusing with 503 until restarted). Last in this module: it replaces the plane."""
+    import ray
+
+    handle, config = plane
+    with GatewayProcess(ray_cluster) as gateway:
+        expected = asyncio.run(_complete_all(gateway.base_url))
+        _down()
+        with httpx.Client(base_url=gateway.base_url, timeout=30) as client:
+            deadline = time.monotonic() + 30
+            while client.get("/health").status_code != 503:  # its watches saw them die
+                assert time.monotonic() < deadline, "the gateway never saw its workers go"
+                time.sleep(0.1)
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 503, r.text
+            assert "no worker is up" in r.json()["error"]["message"]
+            anew = start_control_plane(config)
+            registry: Registry = ray.get(anew.start.remote(), timeout=300)
+            assert {w.worker_id for w in registry.workers} == {"prefill-0", "decode-0"}
+            deadline = time.monotonic() + 60
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, "the gateway never adopted the new plane"
+                time.sleep(0.25)
+        assert asyncio.run(_complete_all(gateway.base_url)) == expected
+    assert anew != handle  # another controller actor, not Ray's restart of the old one

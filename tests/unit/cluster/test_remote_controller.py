@@ -76,7 +76,9 @@ async def plane() -> AsyncIterator[FakePlane]:
         w.stop_now()
 
 
-def _gateway(plane: FakePlane) -> GatewayService:
+def _gateway(
+    plane: FakePlane, find_plane: Callable[[], Any | None] = lambda: None
+) -> GatewayService:
     config = fake_config()
     settings = GatewaySettings(
         config.gateway, config.router, config.model, config.kvtransfer.backend
@@ -86,10 +88,22 @@ def _gateway(plane: FakePlane) -> GatewayService:
         FakeTokenizer(),
         (),
         _launch_nothing,
-        remote_controller=lambda on_snapshot, on_down: RemoteController(
-            plane, plane.find, on_snapshot=on_snapshot, on_worker_down=on_down, poll_interval_s=0.02
+        remote_controller=lambda on_snapshot, on_down, on_up: RemoteController(
+            plane,
+            lambda entry: _current(plane, find_plane).find(entry),
+            on_snapshot=on_snapshot,
+            on_worker_down=on_down,
+            on_worker_up=on_up,
+            find_plane=find_plane,
+            poll_interval_s=0.02,
         ),
     )
+
+
+def _current(plane: FakePlane, find_plane: Callable[[], Any | None]) -> FakePlane:
+    """The plane ``baton-controller`` names now: a new one once started, else ``plane``."""
+    found = find_plane()
+    return found if isinstance(found, FakePlane) else plane
 
 
 def _launch_nothing(spec: Any) -> Any:
@@ -244,3 +258,59 @@ async def test_the_registry_of_a_controller_not_started_yet_is_unknown_not_empty
     with pytest.raises(ControllerStartingError):
         await cp.registry()
     adopting.set()
+
+
+class FakeActorDiedError(Exception):
+    """Ray's ActorDiedError's place: the controller actor was killed (``cluster down``)."""
+
+
+async def test_a_control_plane_started_anew_is_adopted_with_workers_under_the_old_ids(
+    plane: FakePlane, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``baton cluster down`` then ``up`` while a gateway serves: the gateway refuses with
+    a 503 that says no worker is up, warns once (not once a poll), and serves again on
+    the new plane's workers, whose ids are the old ones, without a restart."""
+    named: list[FakePlane] = []
+    svc = _gateway(plane, lambda: named[0] if named else None)
+    await svc.start()
+    try:
+        text = await _complete(svc)
+
+        async def died() -> Registry:
+            raise FakeActorDiedError("the actor died")
+
+        plane.registry = _FakeMethod(died)  # cluster down: the controller, then its workers
+        for worker_id, worker in plane.workers.items():
+            worker.stop_now()
+            svc.controller.report_dead(worker_id)  # as a stream to it that failed does
+        assert not svc.router.reports()
+        app = create_app(svc, manage_lifecycle=False)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test"
+        ) as client:
+            body = {"model": MODEL, "prompt": "hello there", "max_tokens": 8}
+            r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert "no worker is up" in r.json()["error"]["message"]
+        await _sleep(0.2)  # ten polls that fail
+        lost = [r for r in caplog.records if "does not answer" in r.getMessage()]
+        assert len(lost) == 1, [r.getMessage() for r in lost]
+
+        config = fake_config(**{"workers.prefill": 1, "workers.decode": 1})
+        specs = worker_specs(config, FakeEngineFactory(), ConnectorFactory(config.kvtransfer))
+        anew = FakePlane({s.worker_id: Worker(s) for s in specs})  # cluster up: same ids
+        named.append(anew)
+        try:
+            for _ in range(200):
+                if svc.is_ready():
+                    break
+                await _sleep(0.02)
+            assert set(svc.router.reports()) == {"prefill-0", "decode-0"}
+            assert await _complete(svc) == text
+            snapshots = [await w.snapshot() for w in anew.workers.values()]
+            assert sum(s.num_finished_requests for s in snapshots) >= 1  # the new workers
+        finally:
+            for w in anew.workers.values():
+                w.stop_now()
+    finally:
+        await svc.stop()
