@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -41,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -50,7 +52,7 @@ from loadgen.flags import server_root
 from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
 
-__all__ = ["add_arguments", "fit_nonnegative", "fit_robust", "measure_profile", "run"]
+__all__ = ["add_arguments", "counts", "fit_nonnegative", "fit_robust", "measure_profile", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,27 +63,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)",
     )
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
-    parser.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
-    parser.add_argument("--prefill-lens", default="16,64,128,256,512,1024")
-    parser.add_argument("--decode-batches", default="1,2,4,8,16")
-    parser.add_argument("--decode-contexts", default="64,512")
+    parser.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="completions",
+        help="the API the probes use (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-lens",
+        type=counts("prompt lengths (tokens)", 3, "the fit a + b·n + c·n² has three terms"),
+        default="16,64,128,256,512,1024",
+        help="prompt lengths of the prefill probes, in tokens, comma-separated, at least "
+        "3 different (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-batches",
+        type=counts("batch sizes (requests)", 2, "the step's slope per request is fitted"),
+        default="1,2,4,8,16",
+        help="concurrent requests of the decode probes, comma-separated, at least 2 "
+        "different (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-contexts",
+        type=counts(
+            "prompt lengths (tokens)", 2, "one length makes context a multiple of the batch"
+        ),
+        default="64,512",
+        help="prompt lengths of the decode probes, in tokens, comma-separated, at least 2 "
+        "different (default: %(default)s)",
+    )
     parser.add_argument(
         "--decode-tokens",
-        type=int,
-        default=32,
-        help="T: each decode probe runs with T and with 2T output tokens",
+        type=counts("output tokens", 1, "", single=True),
+        default="32",
+        help="T: each decode probe runs with T and with 2T output tokens (default: %(default)s)",
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=counts("repeats", 1, "", single=True),
+        default="3",
+        help="runs of each probe; the median counts (default: %(default)s)",
+    )
     parser.add_argument(
         "--idle-s",
-        type=float,
+        type=_seconds,
         default=0.2,
         help="idle time before each probe (s): a probe must find the server idle, as a "
-        "request of a light load does, not on threads still awake from the previous one",
+        "request of a light load does, not on threads still awake from the previous one "
+        "(default: %(default)s)",
     )
     parser.add_argument("--hardware", default="unknown", help="free text written into the profile")
     parser.add_argument(
-        "--base-profile", default=None, help="source of the fields HTTP cannot measure"
+        "--base-profile",
+        default=None,
+        help="source of the fields HTTP cannot measure: a profile file, or the name of a "
+        "shipped one in loadgen/profiles (default: the simulator's default profile)",
     )
     parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
     parser.add_argument(
@@ -90,8 +126,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def counts(
+    what: str, least_distinct: int, why: str, *, single: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: comma-separated whole numbers of ``what``, each at least 1, at
+    least ``least_distinct`` different (``why``: what needs them); ``single``: one number.
+    A bad one is refused before any probe runs: a 0 or a negative batch ran every prefill
+    probe, then failed with 'no median for empty data'; one prompt length fitted a
+    profile of a single point."""
+
+    def parse(text: str) -> Any:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1 or (single and len(values) > 1):
+            want = "a whole number of" if single else "whole numbers, comma-separated, of"
+            least = "at least 1" if single else "each at least 1"
+            raise argparse.ArgumentTypeError(f"want {want} {what}, {least}; got {text!r}")
+        if len(set(values)) < least_distinct:
+            raise argparse.ArgumentTypeError(
+                f"want at least {least_distinct} different {what} ({why}); got {text!r}"
+            )
+        return values[0] if single else values
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"want seconds, 0 or more; got {text!r}")
+    return value
 
 
 def fit_nonnegative(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
@@ -120,6 +189,13 @@ def fit_robust(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:
         coeffs = fit_nonnegative(features[keep], times_s[keep])
     return coeffs
 
+
+# What the fitted coefficients are in: TTFT = a + b·n + c·n² over the prompt's n tokens;
+# a decode step = a + b·B + c·ΣL over its B requests and their ΣL tokens of context.
+COEFF_UNITS = {
+    "prefill": {"a": "s", "b": "s/token", "c": "s/token²"},
+    "decode": {"a": "s", "b": "s/request", "c": "s/context token"},
+}
 
 _JITTER = random.Random(0)
 
@@ -224,18 +300,19 @@ async def measure_profile(
     key = client_api_key(getattr(args, "api_key_file", None), os.environ)
     headers = {"Authorization": f"Bearer {key}"}
     timeout = httpx.Timeout(600.0, connect=30.0)
+    seed = load_profile(args.base_profile)  # a missing file fails now, not after the probes
     async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
         model = await served_model(client, base, args.model)
         prefill, handoffs = await _prefill_points(
-            client, url, kind, model, _ints(args.prefill_lens), args.repeats, args.idle_s, say
+            client, url, kind, model, args.prefill_lens, args.repeats, args.idle_s, say
         )
         decode = await _decode_points(
             client,
             url,
             kind,
             model,
-            _ints(args.decode_batches),
-            _ints(args.decode_contexts),
+            args.decode_batches,
+            args.decode_contexts,
             args.decode_tokens,
             args.repeats,
             args.idle_s,
@@ -250,7 +327,6 @@ async def measure_profile(
     d_coeffs = fit_robust(
         np.stack([np.ones_like(b), b, ctx], axis=1), np.array([p[2] for p in decode])
     )
-    seed = load_profile(args.base_profile)
     transfer = _fit_transfer_latency(handoffs, d_coeffs, seed)
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     sources = (
@@ -311,5 +387,11 @@ def run(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     data = profile.to_dict() | {"estimated": False}
     args.out.write_text(json.dumps(data, indent=2) + "\n")
-    print(json.dumps({"prefill": data["prefill"], "decode": data["decode"], "out": str(args.out)}))
+    summary = {
+        "prefill": data["prefill"],
+        "decode": data["decode"],
+        "units": COEFF_UNITS,
+        "out": str(args.out),
+    }
+    print(json.dumps(summary, ensure_ascii=False))
     return 0

@@ -149,8 +149,8 @@ def test_bench_and_profile_send_the_key_from_a_file_or_the_environment_never_arg
             monkeypatch.setenv(variable, "sk-bench-secret")
             assert main(bench) == 0, variable
             monkeypatch.delenv(variable)
-        profile = ["profile", "--base-url", url, "--prefill-lens", "8", "--repeats", "1"]
-        profile += ["--decode-batches", "1", "--decode-contexts", "8", "--decode-tokens", "2"]
+        profile = ["profile", "--base-url", url, "--prefill-lens", "4,8,12", "--repeats", "1"]
+        profile += ["--decode-batches", "1,2", "--decode-contexts", "4,8", "--decode-tokens", "2"]
         profile += ["--idle-s", "0", "--out", str(tmp_path / "p.json")]
         assert main([*profile, "--api-key-file", str(key_file)]) == 0
         assert main(profile) == 1

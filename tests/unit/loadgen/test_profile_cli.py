@@ -50,7 +50,7 @@ def test_profile_measures_prefill_and_decode(
             "--decode-batches",
             "1,4",
             "--decode-contexts",
-            "16",
+            "16,32",
             "--decode-tokens",
             "8",
             "--hardware",
@@ -75,12 +75,58 @@ def test_profile_measures_prefill_and_decode(
     assert profile.decode.b + profile.decode.c * 20 > 0.001
     assert any("measured by `baton profile`" in s for s in profile.sources)
     # Progress on stderr, a line per prompt length and per decode probe, as measured.
-    lines = capsys.readouterr().err.splitlines()
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
     assert [line.split(":")[1].strip() for line in lines] == [
         "prefill 1/3",
         "prefill 2/3",
         "prefill 3/3",
-        "decode 1/2",
-        "decode 2/2",
+        "decode 1/4",
+        "decode 2/4",
+        "decode 3/4",
+        "decode 4/4",
     ], lines
     assert lines[2].startswith("baton profile: prefill 3/3: 400 tokens, median TTFT ")
+
+    # The summary on stdout says what the coefficients are in.
+    summary = json.loads(captured.out)
+    assert summary["units"]["prefill"] == {"a": "s", "b": "s/token", "c": "s/token²"}
+    assert summary["units"]["decode"]["b"] == "s/request"
+    assert summary["prefill"] == data["prefill"] and summary["out"] == str(out)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--prefill-lens", "16,abc", "whole numbers, comma-separated, of prompt lengths"),
+        ("--prefill-lens", "0,16,64", "each at least 1"),
+        ("--prefill-lens", "16,16,64", "at least 3 different prompt lengths"),
+        ("--decode-batches", "1,-2", "each at least 1"),
+        ("--decode-contexts", "64", "at least 2 different prompt lengths"),
+        ("--repeats", "0", "a whole number of repeats, at least 1"),
+        ("--decode-tokens", "3,4", "a whole number of output tokens"),
+        ("--idle-s", "-1", "want seconds, 0 or more"),
+    ],
+)
+def test_a_bad_probe_flag_is_refused_before_any_probe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, said: str
+) -> None:
+    """Each was taken before: a 0 or negative batch ran every prefill probe, then failed
+    with 'no median for empty data'; one prompt length wrote a profile fitted to a point."""
+    with serve(Timing()) as url, pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--base-url", url, "--out", str(tmp_path / "p.json"), flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and said in err, err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_missing_base_profile_fails_before_the_probes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was read after every probe had run (minutes on a real server), then failed."""
+    missing = tmp_path / "nope" / "base.json"
+    argv = ["profile", "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.json")]
+    assert main([*argv, "--base-profile", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert str(missing) in err and "prefill 1/" not in err, err
