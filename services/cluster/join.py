@@ -1,4 +1,5 @@
-"""Joining the Ray cluster that ``baton cluster`` and ``baton gateway`` run in.
+"""Joining the Ray cluster that ``baton cluster`` and ``baton gateway`` run in (and
+``baton serve --ray-address``).
 
 The address is ``--ray-address``, else ``$RAY_ADDRESS``, else ``auto``: the cluster that
 ``ray start --head`` began on this machine. Ray (2.5x on) starts such a cluster with
@@ -25,7 +26,7 @@ def ray_address(flag: str | None, environ: Mapping[str, str]) -> str:
     return flag or environ.get("RAY_ADDRESS") or AUTO
 
 
-def join(address: str, command: str, namespace: str) -> str | None:
+def join(address: str, command: str, namespace: str, *, log_to_driver: bool = False) -> str | None:
     """``ray.init`` into the cluster at ``address``; None, or the one line that says why
     it could not (for ``command`` to print and exit 1 with)."""
     import ray
@@ -33,7 +34,7 @@ def join(address: str, command: str, namespace: str) -> str | None:
     where = "this machine's Ray cluster" if address == AUTO else f"the Ray cluster at {address}"
     print(f"{command}: joining {where} ...", file=sys.stderr, flush=True)
     try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
     except ConnectionError as e:
         return f"{command}: {join_failure(address, str(e), os.environ, Path.home())}"
     return None
@@ -51,7 +52,8 @@ def join_failure(address: str, error: str, environ: Mapping[str, str], home: Pat
         reason += (
             "; if it uses token authentication (`ray start` does by default), Ray sends "
             "this machine's token to an address given explicitly only with "
-            "RAY_AUTH_MODE=token set, or leave out --ray-address for the cluster on this machine"
+            "RAY_AUTH_MODE=token set; for the cluster on this machine, --ray-address auto "
+            "finds it and sends it"
         )
     return reason
 

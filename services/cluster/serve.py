@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from services.cluster.join import join
 from services.config import ClusterConfig, load_config
 from services.heap import freeze_startup_heap
 
@@ -196,7 +197,10 @@ async def _serve_on(
     if ray.is_initialized():
         pass  # the caller joined the cluster already (``baton gateway``)
     elif ray_address:
-        ray.init(address=ray_address, log_to_driver=log_level == "debug", namespace="baton")
+        debug = log_level == "debug"
+        if (failure := join(ray_address, "baton serve", "baton", log_to_driver=debug)) is not None:
+            print(failure, file=sys.stderr)
+            return 1
     else:
         ray.init(
             num_cpus=_ray_cpus(config),
