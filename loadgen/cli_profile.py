@@ -69,29 +69,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="completions",
         help="the API the probes use (default: %(default)s)",
     )
-    parser.add_argument(
-        "--prefill-lens",
-        type=counts("prompt lengths (tokens)", 3, "the fit a + b·n + c·n² has three terms"),
-        default="16,64,128,256,512,1024",
-        help="prompt lengths of the prefill probes, in tokens, comma-separated, at least "
-        "3 different (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--decode-batches",
-        type=counts("batch sizes (requests)", 2, "the step's slope per request is fitted"),
-        default="1,2,4,8,16",
-        help="concurrent requests of the decode probes, comma-separated, at least 2 "
-        "different (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--decode-contexts",
-        type=counts(
-            "prompt lengths (tokens)", 2, "one length makes context a multiple of the batch"
+    # The probe lists: flag, what each number is, the fewest different ones the fit needs
+    # and why, the default, what the probes do with them.
+    for flag, what, least, why, default, role in (
+        (
+            "--prefill-lens",
+            "prompt lengths (tokens)",
+            3,
+            "the fit a + b·n + c·n² has three terms",
+            "16,64,128,256,512,1024",
+            "prompt lengths of the prefill probes, in tokens",
         ),
-        default="64,512",
-        help="prompt lengths of the decode probes, in tokens, comma-separated, at least 2 "
-        "different (default: %(default)s)",
-    )
+        (
+            "--decode-batches",
+            "batch sizes (requests)",
+            2,
+            "the step's slope per request is fitted",
+            "1,2,4,8,16",
+            "concurrent requests of the decode probes",
+        ),
+        (
+            "--decode-contexts",
+            "prompt lengths (tokens)",
+            2,
+            "one length makes context a multiple of the batch",
+            "64,512",
+            "prompt lengths of the decode probes, in tokens",
+        ),
+    ):
+        parser.add_argument(
+            flag,
+            type=counts(what, least, why),
+            default=default,
+            help=f"{role}, comma-separated, at least {least} different (default: %(default)s)",
+        )
     parser.add_argument(
         "--decode-tokens",
         type=counts("output tokens", 1, "", single=True),
