@@ -145,7 +145,11 @@ class RemoteController:
 
     async def _look_up_plane(self) -> None:
         """The controller by name: another actor than ours (started anew) takes over."""
-        plane = await asyncio.to_thread(self._find_plane)
+        try:
+            plane = await asyncio.to_thread(self._find_plane)
+        except Exception as e:  # Ray's own store unreachable too: the next poll asks again
+            log.debug("looking up the control plane failed: %s", e)
+            return
         if plane is None or plane == self._plane:
             return
         log.info("a new control plane: adopting the workers its registry lists")
