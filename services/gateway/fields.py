@@ -54,6 +54,8 @@ def check_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
             raise BadRequest(f"{name} is not supported by this server", name)
     if isinstance(body, CompletionRequest) and extra.get("tools"):
         raise BadRequest("tools need the chat completions endpoint", "tools")
+    if isinstance(body, CompletionRequest) and body.suffix:  # inserting text: not done here
+        raise BadRequest("suffix is not supported by this server", "suffix")
     modalities = extra.get("modalities")
     if modalities not in (None, ["text"]):
         raise BadRequest("only the text modality is supported", "modalities")

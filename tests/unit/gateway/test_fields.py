@@ -79,6 +79,22 @@ async def test_fields_we_cannot_honour_are_400s_naming_them(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize(("suffix", "status"), [(None, 200), ("", 200), (" and so on", 400)])
+async def test_a_completion_suffix_is_refused_not_ignored(
+    gateway: Any, suffix: str | None, status: int
+) -> None:
+    """A suffix asks for text inserted before it (OpenAI's insert mode); it was accepted
+    and dropped, so the completion did not lead into it."""
+    _, client = await gateway()
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "suffix": suffix}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "suffix"
+        assert r.json()["error"]["message"] == "suffix is not supported by this server"
+
+
+@pytest.mark.asyncio
 async def test_metadata_is_accepted_and_unknown_fields_are_named_in_a_warning(
     gateway: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
