@@ -49,6 +49,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
             {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
             "tools.0.function.name",
         ),
+        ({"top_logprobs": 3}, "top_logprobs"),  # was answered without logprobs
+        ({"top_logprobs": 0}, None),  # asks for nothing
+        ({"top_logprobs": 3, "logprobs": True}, None),
         ({"logit_bias": {"12": 101}}, "logit_bias"),
         ({"logit_bias": {"twelve": 1}}, "logit_bias"),
         ({"logit_bias": {"-3": 1}}, "logit_bias"),
