@@ -19,6 +19,7 @@ from pathlib import Path
 __all__ = ["AUTO", "join", "join_failure", "ray_address"]
 
 AUTO = "auto"
+_NOT_FOUND = "Could not find any running Ray instance"  # Ray's words for ``auto`` finding none
 
 
 def ray_address(flag: str | None, environ: Mapping[str, str]) -> str:
@@ -42,11 +43,13 @@ def join(address: str, command: str, namespace: str, *, log_to_driver: bool = Fa
 
 def join_failure(address: str, error: str, environ: Mapping[str, str], home: Path) -> str:
     """What to tell the user when joining ``address`` raised ``error``."""
-    if address == AUTO:
+    if address == AUTO and _NOT_FOUND in error:
         return (
             "no Ray cluster is running on this machine: start one with `ray start --head`, "
             "or name one with --ray-address (or RAY_ADDRESS)"
         )
+    if address == AUTO:  # found, but it would not have us
+        return f"cannot join this machine's Ray cluster ({error})"
     reason = f"cannot join the Ray cluster at {address} ({error})"
     if environ.get("RAY_AUTH_MODE") is None and _has_token(environ, home):
         reason += (

@@ -18,9 +18,14 @@ def test_the_address_is_the_flag_else_the_environment_else_this_machines_cluster
 
 
 def test_no_cluster_on_this_machine_says_how_to_start_or_name_one(tmp_path: Path) -> None:
-    said = join_failure(AUTO, "Could not find any running Ray instance.", {}, tmp_path)
+    error = "Could not find any running Ray instance. Please specify the one to connect to"
+    said = join_failure(AUTO, error, {}, tmp_path)
     assert "no Ray cluster is running on this machine" in said
     assert "`ray start --head`" in said and "--ray-address" in said
+    # One found that would not have us is not 'none running': Ray's reason is kept.
+    refused = "Failed to connect to Ray cluster at 192.0.2.2:6379"
+    said = join_failure(AUTO, refused, {}, tmp_path)
+    assert said == f"cannot join this machine's Ray cluster ({refused})"
 
 
 def test_an_explicit_address_with_a_token_at_hand_names_ray_auth_mode(tmp_path: Path) -> None:
