@@ -55,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, OSError) as e:
             print(f"{command}: invalid configuration: {e}", file=sys.stderr)
             return 2
-        if (failure := join.join(ray_address, command, NAMESPACE)) is not None:
-            print(failure, file=sys.stderr)
+        if not join.join(ray_address, command, NAMESPACE):
             return 1
         import ray
 
@@ -76,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
         state = "already up" if running is not None else "up"
         print(f"Baton control plane is {state}: {ids}", flush=True)
         return 0
-    if (failure := join.join(ray_address, command, NAMESPACE)) is not None:
-        print(failure, file=sys.stderr)
+    if not join.join(ray_address, command, NAMESPACE):
         return 1
     import ray
 

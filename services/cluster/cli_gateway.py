@@ -46,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from services.cluster.control_plane import NAMESPACE, find_control_plane
     from services.engine.messages import EngineError
 
-    if (failure := join.join(ray_address, "baton gateway", NAMESPACE)) is not None:
-        print(failure, file=sys.stderr)
+    if not join.join(ray_address, "baton gateway", NAMESPACE):
         return 1
     plane = find_control_plane()
     if plane is None:

@@ -27,9 +27,9 @@ def ray_address(flag: str | None, environ: Mapping[str, str]) -> str:
     return flag or environ.get("RAY_ADDRESS") or AUTO
 
 
-def join(address: str, command: str, namespace: str, *, log_to_driver: bool = False) -> str | None:
-    """``ray.init`` into the cluster at ``address``; None, or the one line that says why
-    it could not (for ``command`` to print and exit 1 with)."""
+def join(address: str, command: str, namespace: str, *, log_to_driver: bool = False) -> bool:
+    """``ray.init`` into the cluster at ``address``; False once the one line that says why
+    it could not is printed (``command`` then exits 1)."""
     import ray
 
     where = "this machine's Ray cluster" if address == AUTO else f"the Ray cluster at {address}"
@@ -37,8 +37,10 @@ def join(address: str, command: str, namespace: str, *, log_to_driver: bool = Fa
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
     except ConnectionError as e:
-        return f"{command}: {join_failure(address, str(e), os.environ, Path.home())}"
-    return None
+        why = join_failure(address, str(e), os.environ, Path.home())
+        print(f"{command}: {why}", file=sys.stderr)
+        return False
+    return True
 
 
 def join_failure(address: str, error: str, environ: Mapping[str, str], home: Path) -> str:

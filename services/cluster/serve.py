@@ -197,9 +197,7 @@ async def _serve_on(
     if ray.is_initialized():
         pass  # the caller joined the cluster already (``baton gateway``)
     elif ray_address:
-        debug = log_level == "debug"
-        if (failure := join(ray_address, "baton serve", "baton", log_to_driver=debug)) is not None:
-            print(failure, file=sys.stderr)
+        if not join(ray_address, "baton serve", "baton", log_to_driver=log_level == "debug"):
             return 1
     else:
         ray.init(

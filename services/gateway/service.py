@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 _FALLBACK_POLICY = "round_robin"
 
 
-# (on_snapshot, on_worker_down) -> a controller found elsewhere (cluster.remote.RemoteController)
-# (on_snapshot, on_worker_down, on_worker_up) -> a controller
+# (on_snapshot, on_worker_down, on_worker_up) -> a controller found elsewhere
+# (cluster.remote.RemoteController)
 ControllerFactory = Callable[
     [Callable[[WorkerSnapshot], None], Callable[[str, Role], None], Callable[[str], None]], Any
 ]
