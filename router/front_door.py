@@ -164,6 +164,10 @@ class Router:
     def reports(self) -> dict[str, WorkerReport]:
         return {wid: w.report for wid, w in self._workers.items()}
 
+    def has_workers(self) -> bool:
+        """Whether any live worker has reported (asked on every request: no copy)."""
+        return bool(self._workers)
+
     def observe_outcome(self, output_len: int, outcome: Outcome | None = None) -> None:
         """A finished request's output length (the history H of the KV estimator, which
         the view shows ``_PUBLISH_OUTPUT_LENS_EVERY`` lengths at a time, the first at

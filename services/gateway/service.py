@@ -169,7 +169,7 @@ class GatewayService:
             return "the server is starting"
         if self.draining:
             return "the server is draining"
-        if not self.router.reports():
+        if not self.router.has_workers():
             return "no worker is up to serve (they are being started or replaced)"
         return None
 
