@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import statistics
@@ -42,13 +41,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 
 from loadgen.client import client_api_key, send_request, served_model
-from loadgen.flags import server_root
+from loadgen.flags import at_least_zero, counts, server_root
 from loadgen.sim.profile import Profile, QuadCoeffs, TransferCoeffs, load_profile
 from loadgen.workload import RequestSpec
 
@@ -117,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--idle-s",
-        type=_seconds,
+        type=at_least_zero("seconds"),
         default=0.2,
         help="idle time before each probe (s): a probe must find the server idle, as a "
         "request of a light load does, not on threads still awake from the previous one "
@@ -135,43 +133,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key-file",
         help="send the bearer key in this file (default: $BATON_API_KEY, then $OPENAI_API_KEY)",
     )
-
-
-def counts(
-    what: str, least_distinct: int, why: str, *, single: bool = False
-) -> Callable[[str], Any]:
-    """An argparse type: comma-separated whole numbers of ``what``, each at least 1, at
-    least ``least_distinct`` different (``why``: what needs them); ``single``: one number.
-    A bad one is refused before any probe runs: a 0 or a negative batch ran every prefill
-    probe, then failed with 'no median for empty data'; one prompt length fitted a
-    profile of a single point."""
-
-    def parse(text: str) -> Any:
-        try:
-            values = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            values = []
-        if not values or min(values) < 1 or (single and len(values) > 1):
-            want = "a whole number of" if single else "whole numbers, comma-separated, of"
-            least = "at least 1" if single else "each at least 1"
-            raise argparse.ArgumentTypeError(f"want {want} {what}, {least}; got {text!r}")
-        if len(set(values)) < least_distinct:
-            raise argparse.ArgumentTypeError(
-                f"want at least {least_distinct} different {what} ({why}); got {text!r}"
-            )
-        return values[0] if single else values
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"want seconds, 0 or more; got {text!r}")
-    return value
 
 
 def fit_nonnegative(features: np.ndarray, times_s: np.ndarray) -> np.ndarray:

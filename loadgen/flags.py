@@ -1,4 +1,5 @@
-"""Workload and SLO flags shared by ``baton bench`` and ``baton simulate``."""
+"""Flags shared by ``baton bench`` and ``baton simulate`` (workload, SLO), and the argparse
+types the load tools and benchmarks check their numbers with."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from loadgen.arrivals import RateSpec, parse_rate, parse_sweep
 from loadgen.metrics import GoodputSLO, parse_goodput
@@ -16,6 +18,8 @@ __all__ = [
     "Sweep",
     "above_zero",
     "add_workload_arguments",
+    "at_least_zero",
+    "counts",
     "server_root",
     "slo_from_args",
     "sweep_from_args",
@@ -40,15 +44,52 @@ def server_root(text: str) -> str:
 
 def above_zero(unit: str) -> Callable[[str], float]:
     """An argparse type: a finite number above 0, in ``unit`` (the error names it)."""
+    return _finite(unit, zero=False)
 
+
+def at_least_zero(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number, 0 or more, in ``unit`` (the error names it)."""
+    return _finite(unit, zero=True)
+
+
+def _finite(unit: str, *, zero: bool) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"want {unit} above 0, got {text!r}")
+        above_floor = value >= 0 if zero else value > 0
+        if not (above_floor and value < math.inf):
+            want = f"{unit}, 0 or more;" if zero else f"{unit} above 0,"
+            raise argparse.ArgumentTypeError(f"want {want} got {text!r}")
         return value
+
+    return parse
+
+
+def counts(
+    what: str, least_distinct: int, why: str, *, single: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: comma-separated whole numbers of ``what``, each at least 1, at
+    least ``least_distinct`` different (``why``: what needs them); ``single``: one number.
+    ``baton profile`` refuses a bad probe list with it before any probe runs: a 0 or a
+    negative batch ran every prefill probe, then failed with 'no median for empty data';
+    one prompt length fitted a profile of a single point."""
+
+    def parse(text: str) -> Any:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1 or (single and len(values) > 1):
+            want = "a whole number of" if single else "whole numbers, comma-separated, of"
+            least = "at least 1" if single else "each at least 1"
+            raise argparse.ArgumentTypeError(f"want {want} {what}, {least}; got {text!r}")
+        if len(set(values)) < least_distinct:
+            raise argparse.ArgumentTypeError(
+                f"want at least {least_distinct} different {what} ({why}); got {text!r}"
+            )
+        return values[0] if single else values
 
     return parse
 
