@@ -32,7 +32,9 @@ target, and the ratio of the two layouts' goodput follows it (``TTFT_TARGETS_MS`
 One JSON object on stdout: per GPU count and target, every split's sweep, the best of
 each layout, their ratio, and at each rate both layouts ran, the least p90 TTFT of
 each (the latency it offers at that load); a ``summary`` row per GPU count and target;
-CPU seconds of the simulations (``getrusage``, this process and its workers) at the end.
+CPU seconds of the simulations (``getrusage``, this process and its workers) at the end;
+``target``: the issue's target read at its TTFT target (``TARGET``), and the exit status
+is 1 when it is missed.
 
     python benchmarks/epd.py                       # 16 and 64 GPUs, each target
     python benchmarks/epd.py --gpus 16 --num-requests 1500 --ttft-ms 500
@@ -87,6 +89,12 @@ SLO = GoodputSLO(ttft_ms=1500, tpot_ms=100)
 # shared/notes/algorithms.md). Each target is searched on its own: the router admits
 # by it.
 TTFT_TARGETS_MS = (500.0, 600.0, 1000.0, 1500.0)
+# The issue's target (E/P/D goodput >= 1.3x encode-colocated at 16 GPUs), read at the
+# chat TTFT target of a model this size: DistServe's are 0.25 s at 13B and 0.4 s at
+# 66B, so 500 ms is looser than either for InternLM2-20B. EPD disaggregation wins
+# latency, not work (both layouts run the same work on the same GPUs): at a loose
+# target the two tie, and ``summary`` shows every target searched.
+TARGET = {"gpus": 16, "ttft_ms": 500.0, "ratio": 1.3}
 ATTAINMENT = 0.9
 MAX_RATE_PER_GPU = 16.0  # the search's top rate
 
@@ -305,6 +313,17 @@ def progress_line(
     )
 
 
+def verdict(summary: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``TARGET`` against this run's summary rows; None if the run did not search it."""
+    for row in summary:
+        if (row["gpus"], row["ttft_ms"]) == (TARGET["gpus"], TARGET["ttft_ms"]):
+            ratio = row["goodput_ratio_epd_over_colocated"]
+            # None: encode-colocated kept 90% at no rate, so any E/P/D goodput beats it.
+            met = ratio >= TARGET["ratio"] if ratio is not None else row["epd_goodput_rps"] > 0
+            return {**TARGET, "measured_ratio": ratio, "met": met}
+    return None
+
+
 def compare(runs: list[tuple[str, dict[str, Any]]], rates: list[float]) -> dict[str, Any]:
     """Each layout's splits (``runs``: (layout name, ``search_layout`` result)) at one
     target: the best split of each, their goodput ratio (None when encode-colocated
@@ -375,7 +394,10 @@ def main() -> None:
         e.ru_utime + e.ru_stime - (s.ru_utime + s.ru_stime)
         for s, e in zip(started, ended, strict=True)
     )
+    out["target"] = verdict(out["summary"])
     print(json.dumps(out, indent=2))
+    if out["target"] is not None and not out["target"]["met"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,28 @@ def test_each_target_is_searched_and_reported_on_its_own() -> None:
     ratio = loose["goodput_ratio_epd_over_colocated"]
     epd_goodput = loose["epd"]["best"]["at_90"]["request_goodput"]
     assert ratio == epd_goodput / loose["encode_colocated"]["best"]["at_90"]["request_goodput"]
+
+
+def _row(gpus: int, ttft_ms: float, epd_rps: float, coloc_rps: float) -> dict[str, object]:
+    return {
+        "gpus": gpus,
+        "ttft_ms": ttft_ms,
+        "epd_goodput_rps": epd_rps,
+        "encode_colocated_goodput_rps": coloc_rps,
+        "goodput_ratio_epd_over_colocated": epd_rps / coloc_rps if coloc_rps else None,
+    }
+
+
+def test_the_verdict_reads_the_issue_target_row_only() -> None:
+    gpus, ttft_ms = epd.TARGET["gpus"], epd.TARGET["ttft_ms"]
+    # 1.3x at the target: met, whatever the other rows say (a loose target ties).
+    summary = [_row(gpus, ttft_ms, 65.0, 50.0), _row(gpus, 1000.0, 77.0, 76.0)]
+    assert epd.verdict(summary) == {**epd.TARGET, "measured_ratio": 1.3, "met": True}
+    # Under 1.3x at the target: missed, even if another target or size shows more.
+    summary = [_row(gpus, ttft_ms, 60.0, 50.0), _row(64, ttft_ms, 90.0, 30.0)]
+    assert epd.verdict(summary)["met"] is False
+    # Colocated kept 90% nowhere: met only where E/P/D served something.
+    assert epd.verdict([_row(gpus, ttft_ms, 5.0, 0.0)])["met"] is True
+    assert epd.verdict([_row(gpus, ttft_ms, 0.0, 0.0)])["met"] is False
+    # A run that did not search the target says nothing.
+    assert epd.verdict([_row(gpus, 600.0, 65.0, 50.0), _row(8, ttft_ms, 65.0, 50.0)]) is None
