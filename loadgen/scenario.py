@@ -148,7 +148,8 @@ _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
 
 
 class Tokenizer(Protocol):
-    """What ``synthetic_prompt`` needs of a Hugging Face tokenizer."""
+    """What ``synthetic_prompt`` needs of a Hugging Face tokenizer (which also has
+    ``all_special_ids``: read if present)."""
 
     vocab_size: int
 
@@ -162,12 +163,15 @@ def synthetic_prompt(spec: RequestSpec, tokenizer: Tokenizer | None = None) -> s
     character for the byte-level tiny model, approximate (about a quarter to a
     third as many tokens) for BPE tokenizers. With the target's tokenizer:
     ``input_len`` random token ids decoded to text, which re-encodes to about
-    that many tokens (merges at id boundaries can shift it by a few percent).
+    that many tokens (merges at id boundaries can shift it by a few percent), never a
+    special one (``all_special_ids``: a multimodal model's image placeholder in the
+    text would be refused, its images not matching the placeholders).
     """
     if spec.prompt is not None:
         return spec.prompt
     if tokenizer is not None:
-        return tokenizer.decode(_token_ids(spec, tokenizer.vocab_size))
+        specials = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        return tokenizer.decode(_token_ids(spec, tokenizer.vocab_size, specials))
     chunks: list[bytes] = []
     for hash_id in spec.hash_ids:
         block_rng = np.random.default_rng(hash_id & 0xFFFFFFFFFFFF)
@@ -182,9 +186,12 @@ def synthetic_prompt(spec: RequestSpec, tokenizer: Tokenizer | None = None) -> s
     return text.decode("ascii")
 
 
-def _token_ids(spec: RequestSpec, vocab_size: int) -> list[int]:
-    # Skip the lowest ids, where tokenizers keep special and control tokens.
+def _token_ids(spec: RequestSpec, vocab_size: int, specials: frozenset[int]) -> list[int]:
+    # Skip the lowest ids, where tokenizers keep special and control tokens, and the
+    # special ones elsewhere (drawn, they become the next id down that is not special).
     low, high = min(1000, vocab_size // 4), vocab_size
+    if specials:
+        return [_ordinary(i, low, specials) for i in _token_ids(spec, vocab_size, frozenset())]
     ids: list[int] = []
     for hash_id in spec.hash_ids:
         block_rng = np.random.default_rng(hash_id & 0xFFFFFFFFFFFF)
@@ -194,3 +201,12 @@ def _token_ids(spec: RequestSpec, vocab_size: int) -> list[int]:
         tail_rng = np.random.default_rng(zlib.crc32(spec.request_id.encode()))
         ids.extend(tail_rng.integers(low, high, spec.input_len - len(ids)).tolist())
     return ids
+
+
+def _ordinary(token_id: int, low: int, specials: frozenset[int]) -> int:
+    """``token_id``, or the next id down from it that is not special (up, from ``low``)."""
+    while token_id in specials and token_id > low:
+        token_id -= 1
+    while token_id in specials:
+        token_id += 1
+    return token_id
