@@ -40,7 +40,8 @@ is 1 when it is missed.
     python benchmarks/epd.py --gpus 16 --num-requests 1500 --ttft-ms 500
     python benchmarks/epd.py --live --rate 2 4 6 8 # the tiny cluster instead
 
-``--live``: ``baton serve`` with ``tiny-vl`` on CPU, 1 encode + 1 prefill + 1 decode
+``--live``: ``baton serve`` with ``tiny-vl`` (or ``--live-model``, a local LLaVA folder,
+whose tokenizer then draws the prompts) on CPU, 1 encode + 1 prefill + 1 decode
 worker against 2 prefill + 1 decode (the prefill workers encode), each served once and
 loaded at each ``--rate`` in turn with seeded open-loop traces (bursty arrivals, half
 the requests with 2-8 images of 336 px, half text chat; a new seed per rate, the same
@@ -375,6 +376,7 @@ def main() -> None:
         help="the simulated runs' TTFT targets, ms: every split is searched at each",
     )
     parser.add_argument("--live", action="store_true", help="the tiny cluster, not the sim")
+    parser.add_argument("--live-model", default="tiny-vl", help="--live: the model served")
     parser.add_argument(
         "--rate", type=float, nargs="+", default=[4.0], help="--live: requests per second (a sweep)"
     )

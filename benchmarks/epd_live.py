@@ -1,10 +1,10 @@
 """``benchmarks/epd.py --live``: E/P/D against encode-colocated on the tiny cluster.
 
-``baton serve`` with ``tiny-vl`` on CPU, 1 encode + 1 prefill + 1 decode worker against
-2 prefill + 1 decode (the prefill workers encode), each served once and loaded at each
-``--rate`` in turn with seeded open-loop traces (``benchmarks/epd.py``'s workload, shorter
-and with 336 px images); see that file's docstring. Loaded by its ``main``, which parses
-the options; not run on its own.
+``baton serve`` with ``tiny-vl`` (or ``--live-model``, a LLaVA folder) on CPU, 1 encode +
+1 prefill + 1 decode worker against 2 prefill + 1 decode (the prefill workers encode),
+each served once and loaded at each ``--rate`` in turn with seeded open-loop traces
+(``benchmarks/epd.py``'s workload, shorter and with 336 px images); see that file's
+docstring. Loaded by its ``main``, which parses the options; not run on its own.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import tempfile
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,11 @@ LIVE_LAYOUTS = {
 }
 
 
-def _serve_args(name: str, layout: dict[str, int], folder: Path) -> list[str]:
-    """``baton serve``'s arguments for ``layout`` (its config written to ``folder``)."""
+def _serve_args(name: str, layout: dict[str, int], folder: Path, model: str) -> list[str]:
+    """``baton serve``'s arguments for ``layout`` serving ``model`` (its config written to
+    ``folder``)."""
     config = {
-        "model": {"name": "tiny-vl"},
+        "model": {"name": model},
         "engine": {"device": "cpu", "num_threads": 1, "block_size": 4},
         "workers": {"mode": "disaggregated", "mixed": 0, "num_cpus": 0, **layout},
         "kvtransfer": {"backend": "nixl"},
@@ -64,15 +66,23 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
         )
         for i in range(len(rates))
     ]
-    out: dict[str, Any] = {"model": "tiny-vl", "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
+    model = args.live_model
+    tokenizer = None
+    if model != "tiny-vl":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    out: dict[str, Any] = {"model": model, "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in LIVE_LAYOUTS.items():
-            proc, url = start_baton(_serve_args(name, layout, Path(tmp)), timeout_s=300.0)
+            proc, url = start_baton(_serve_args(name, layout, Path(tmp), model), timeout_s=300.0)
             rows = []
             try:
                 for rps, base in zip(rates, traces, strict=True):
                     load_before = os.getloadavg()[0]
-                    config = BenchConfig(url, base, RateSpec(rps), endpoint="chat", slo=LIVE_SLO)
+                    config = BenchConfig(
+                        url, base, RateSpec(rps), endpoint="chat", slo=LIVE_SLO, tokenizer=tokenizer
+                    )
                     result = run_bench(config)
                     images = {
                         s.request_id for s in build_requests(base, RateSpec(rps)) if s.image_sides
@@ -88,6 +98,10 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
                             "request_goodput": s["request_goodput"],
                             "slo_attainment": s["slo_attainment"],
                             "failed": sum(not r.success for r in result.records),
+                            # Each failure's error, with how many requests had it.
+                            "errors": dict(
+                                Counter(r.error for r in result.records if not r.success)
+                            ),
                             "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                         }
                     )
