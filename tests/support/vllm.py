@@ -99,17 +99,15 @@ def build_vllm_llava_checkpoint(folder: Path, seed: int = 0) -> Any:
     reads; transformers 5 writes ``vision_tower.*``). Returns the in-memory
     ``LlavaForConditionalGeneration`` and processor, the oracle."""
     from safetensors.torch import load_file, save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         CLIPVisionConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
-        PreTrainedTokenizerFast,
     )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    from tests.unit.engine.conftest import WORDS, _scramble
+    from tests.unit.engine.conftest import WORDS, _scramble, word_tokenizer
 
     vocab = LLAVA_IMAGE_TOKEN_ID + 1
     text = vllm_llama_config(vocab)
@@ -145,10 +143,8 @@ def build_vllm_llava_checkpoint(folder: Path, seed: int = 0) -> Any:
 
     words = ["<unk>", "<s>", "</s>", *WORDS]
     words += [f"w{i}" for i in range(vocab - 1 - len(words))] + ["<image>"]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    tokenizer = word_tokenizer(
+        words,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",

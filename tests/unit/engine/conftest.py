@@ -17,18 +17,23 @@ CHAT_TEMPLATE = (
 WORDS = ["hello", "world", "the", "a", "cat", "sat", "on", "mat", "<|user|>", "<|assistant|>"]
 
 
-def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A WordLevel tokenizer over `vocab_size` ids: specials, a few words, then filler words."""
+def word_tokenizer(words: list[str], **special_tokens: Any) -> Any:
+    """A Hugging Face fast tokenizer that splits on whitespace and maps ``words[i]`` to
+    id ``i`` (anything else to ``words[0]``); ``special_tokens`` as the tokenizer takes
+    them (``bos_token=...``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A WordLevel tokenizer over `vocab_size` ids: specials, a few words, then filler words."""
     words = ["<unk>", "<s>", "</s>", *WORDS]
     words += [f"w{i}" for i in range(vocab_size - len(words))]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+    tok = word_tokenizer(words, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(folder))
 

@@ -27,7 +27,7 @@ from services.engine.placeholders import (
     read_image_prompt_spec,
 )
 from services.engine.tiny_vl import TINY_VL_NAME
-from tests.unit.engine.conftest import _scramble
+from tests.unit.engine.conftest import _scramble, word_tokenizer
 from tests.unit.engine.llava_twin import hf_names, random_image, tiny_vl_twin
 
 TOL = 1e-4
@@ -37,15 +37,10 @@ IMAGE_TOKEN_ID = VOCAB - 1
 
 
 def _save_tokenizer(folder: Path) -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     words = ["<unk>", "<s>", "</s>", "hello", "the", "cat", "sat", "on", "a", "mat", "USER:"]
     words += [f"w{i}" for i in range(VOCAB - 1 - len(words))] + [IMAGE_TOKEN]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    return word_tokenizer(
+        words,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",

@@ -184,19 +184,11 @@ def test_prompt_in_target_tokens_never_holds_a_special_token() -> None:
     """A multimodal model's image placeholder sits in the vocabulary like any word: drawn
     into a synthetic prompt, the gateway refuses the request (placeholders and images
     disagree). With a real Hugging Face tokenizer whose specials are at the top."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tests.unit.engine.conftest import word_tokenizer
 
     words = [f"w{i}" for i in range(46)] + ["<s>", "</s>", "<image>", "<pad>"]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
-    )
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    tokenizer = word_tokenizer(words, **specials, extra_special_tokens={"image_token": "<image>"})
     assert set(tokenizer.all_special_ids) == {46, 47, 48, 49}
     cfg = WorkloadConfig(input_len="400", output_len="5", num_requests=8)
     for spec in build_requests(cfg, RateSpec(1.0)):
