@@ -69,9 +69,9 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
     model = args.live_model
     tokenizer = None
     if model != "tiny-vl":
-        from transformers import AutoTokenizer
+        from loadgen.cli_bench import load_tokenizer_folder
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = load_tokenizer_folder(model)
     out: dict[str, Any] = {"model": model, "slo_ms": LIVE_SLO.as_dict(), "rates": rates}
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in LIVE_LAYOUTS.items():

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     except (WorkloadError, ValueError, OSError) as e:
         print(f"baton bench: {e}", file=sys.stderr)
         return 2
-    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+    tokenizer = load_tokenizer_folder(args.tokenizer) if args.tokenizer else None
     # The environment gives the key (above) and CI: CI runs and pipes get no progress bar.
     interactive = sys.stdout.isatty() and not os.environ.get("CI")
     freeze_startup_heap()  # a full collection mid-run would delay every answer it times
@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer_folder(path: str) -> Tokenizer:
+    """A local Hugging Face tokenizer folder, never downloaded (``baton bench --tokenizer``)."""
     from transformers import AutoTokenizer  # heavy: only when asked for
 
     return cast(Tokenizer, AutoTokenizer.from_pretrained(path, local_files_only=True))
