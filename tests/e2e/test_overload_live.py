@@ -9,8 +9,8 @@ Each run's goodput is the requests sent in its window that met the SLO per secon
 peak's the mean of the five runs again at the rate of the sweep's best run (not that
 run, picked for reading high: ``loadgen.overload.peak_goodput``). Past saturation the router must refuse what it
 cannot serve, so the admitted requests keep their targets: goodput stays within 90% of
-the sweep's peak, every refusal is a 429 answered within 50 ms, and nothing fails
-otherwise. The router refuses at once (``max_hold_s: 0``): a held request that finds no
+the sweep's peak, every refusal is a 429 answered within 50 ms (times the host's
+slowdown, as the SLO is: ``refusal_bound_ms``), and nothing fails otherwise. The router refuses at once (``max_hold_s: 0``): a held request that finds no
 room is refused when its hold runs out, up to 1.8 s later on 2 AVX-512 cores.
 
 Measured on 2 AVX-512 cores (saturation 7.6 req/s, peak 9.2-9.6 good req/s), 2x held
@@ -71,4 +71,4 @@ def test_goodput_at_2x_and_3x_saturation_holds_90_percent_of_peak_with_quick_ref
         too_long = sum(n for e, n in row["errors"].items() if "maximum context length" in e)
         assert row["failed"] == row["rejected"] + too_long, row
         assert row["of_peak"] >= 0.9, (peak, result["saturation_rate"], row)
-        assert row["max_rejection_ms"] < 50.0, row
+        assert row["max_rejection_ms"] < result["refusal_bound_ms"], (result["host_slowdown"], row)

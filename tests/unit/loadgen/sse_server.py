@@ -5,7 +5,7 @@ stream ``max_tokens`` one-character chunks ``GAP_S`` apart, a usage chunk with
 ``choices: []`` and ``[DONE]``. A prompt starting with ``FAIL`` gets a 400; one
 starting with ``BREAK`` gets an error event after the first token; one
 starting with ``HOLD`` gets its first token with empty text (a server holding
-back a partial UTF-8 character). ``serve(api_key=K)``: every route wants
+back a partial UTF-8 character) and its second ``HOLD_GAP_S`` later. ``serve(api_key=K)``: every route wants
 ``Authorization: Bearer K`` (a 401 otherwise).
 """
 
@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 FIRST_DELAY_S = 0.05
 GAP_S = 0.02
+HOLD_GAP_S = 0.5
 MODEL = "scripted-model"
 
 
@@ -67,7 +68,9 @@ async def _chunks(kind: str, prompt: str, max_tokens: int, timing: Timing) -> As
         yield f"data: {json.dumps(first)}\n\n".encode()
     await asyncio.sleep(timing.first_s + timing.first_per_prompt_char_s * len(prompt))
     for i in range(max_tokens):
-        if i:
+        if i == 1 and prompt.startswith("HOLD"):
+            await asyncio.sleep(HOLD_GAP_S)
+        elif i:
             await asyncio.sleep(timing.gap_s + timing.gap_per_stream_s * timing.active_streams)
         text = "" if i == 0 and prompt.startswith("HOLD") else "x"
         yield f"data: {json.dumps(_chunk(kind, text))}\n\n".encode()

@@ -1,5 +1,6 @@
 """``benchmarks/overload.py``'s first sweep rate: ``auto`` follows the host's speed, a
-rate given is kept, and a rate that is not one is refused by name."""
+rate given is kept, and a rate that is not one is refused by name; the refusal bound
+follows the host's speed as the SLO does, never below the issue's 50 ms."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def test_auto_starts_where_the_reference_hosts_climb_from_one_reached_after_thre
 def test_a_rate_given_is_kept_whatever_the_host() -> None:
     args = overload.parser().parse_args(["--start-rate", "2.5"])
     assert overload.first_sweep_rate(args.start_rate, 4.0) == 2.5
+
+
+def test_the_refusal_bound_is_50_ms_scaled_by_a_slower_host_only() -> None:
+    assert overload.refusal_bound_ms(1.0) == 50.0
+    assert overload.refusal_bound_ms(1.5) == pytest.approx(75.0)
+    assert overload.refusal_bound_ms(0.8) == 50.0  # a faster host is held to 50 ms
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "fast"])

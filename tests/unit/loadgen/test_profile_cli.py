@@ -38,6 +38,10 @@ def test_profile_measures_prefill_and_decode(
 ) -> None:
     timing = Timing(first_s=0.01, first_per_prompt_char_s=5e-4, gap_s=0.01, gap_per_stream_s=0.004)
     out = tmp_path / "p.json"
+    # No idle before a probe (--idle-s 0), and each probe's median of 2: on this 2-core host
+    # a probe after 0.2-1 s of quiet waited 30-60 ms more to be answered than one sent at
+    # once (the scripted server's delays do not model that), which moved the fitted TTFT at
+    # 400 tokens past the 25% bound; with repeats 1, one slow probe did the same.
     with serve(timing) as url:
         argv = [
             "profile",
@@ -46,7 +50,9 @@ def test_profile_measures_prefill_and_decode(
             "--prefill-lens",
             "10,200,400",
             "--repeats",
-            "1",
+            "2",
+            "--idle-s",
+            "0",
             "--decode-batches",
             "1,4",
             "--decode-contexts",
