@@ -109,8 +109,7 @@ def save_random_llama(
 ) -> Any:
     """A random-weight Llama (tied embeddings) and a word-level tokenizer, saved by
     ``transformers``; returns the model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -128,12 +127,101 @@ def save_random_llama(
     model = LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(str(folder))
     words = ["<unk>", "<s>", "</s>", *(f"w{i}" for i in range(cfg.vocab_size - 3))]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(str(folder))
+    word_tokenizer(words, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(
+        str(folder)
+    )
     return model
+
+
+def word_tokenizer(words: list[str], **special_tokens: Any) -> Any:
+    """A Hugging Face fast tokenizer that splits on whitespace and maps ``words[i]`` to
+    id ``i`` (anything else to ``words[0]``); ``special_tokens`` as the tokenizer takes
+    them (``bos_token=...``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+
+
+# Word-level chat template that renders image parts as ``<image>`` (the gateway's
+# ``chat_messages(keep_images=True)`` shape).
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> "
+    "{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image> "
+    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}</s> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def save_random_llava(
+    folder: Path,
+    text_config: Any,
+    vision: dict[str, int],
+    words: list[str],
+    shortest_edge: int,
+    seed: int = 0,
+    init: Callable[[Any, int], None] | None = None,
+    feature_layer: int | list[int] = -2,
+    strategy: str = "default",
+) -> tuple[Any, Any]:
+    """A random-weight ``LlavaForConditionalGeneration`` (a CLIP tower of ``vision``'s
+    sizes, ``CLIPVisionConfig``'s keywords; the projector; the language model of
+    ``text_config``; image features from ``feature_layer`` by ``strategy``, as
+    ``LlavaConfig`` takes them) with its processor (PIL
+    CLIP image processor: the shortest edge resized to ``shortest_edge``, the centre
+    ``image_size`` square cropped) and a word tokenizer of ``words`` whose last word is
+    ``<image>``, the placeholder; saved by ``transformers`` into ``folder``. ``init``
+    re-initialises the model's weights (``init(model, seed)``) before it is saved.
+    Returns the in-memory model and processor."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    if words[-1] != "<image>" or text_config.vocab_size != len(words):
+        raise ValueError("words must be the whole vocabulary, <image> last")
+    config = LlavaConfig(
+        text_config=text_config,
+        vision_config=CLIPVisionConfig(**vision),
+        image_token_id=len(words) - 1,
+        vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=strategy,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    if init is not None:
+        init(model, seed)
+    model = model.float().eval()
+    model.save_pretrained(str(folder))
+    tokenizer = word_tokenizer(
+        words,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    side = vision["image_size"]
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": shortest_edge}, crop_size={"height": side, "width": side}
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=vision["patch_size"],
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return model, processor
 
 
 # -- measurements ----------------------------------------------------------------------

@@ -79,15 +79,6 @@ def build_vllm_checkpoint(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-# Word-level chat template that renders image parts as ``<image>`` (the gateway's
-# ``chat_messages(keep_images=True)`` shape).
-LLAVA_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> "
-    "{% if m['content'] is string %}{{ m['content'] }} {% else %}"
-    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image> "
-    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}</s> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
 LLAVA_IMAGE_TOKEN_ID = 95
 
 
@@ -99,19 +90,13 @@ def build_vllm_llava_checkpoint(folder: Path, seed: int = 0) -> Any:
     reads; transformers 5 writes ``vision_tower.*``). Returns the in-memory
     ``LlavaForConditionalGeneration`` and processor, the oracle."""
     from safetensors.torch import load_file, save_file
-    from transformers import (
-        CLIPVisionConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    from tests.unit.engine.conftest import WORDS, _scramble, word_tokenizer
+    from tests.unit.engine.conftest import WORDS, _scramble, save_random_llava
 
     vocab = LLAVA_IMAGE_TOKEN_ID + 1
-    text = vllm_llama_config(vocab)
-    vision = CLIPVisionConfig(
+    words = ["<unk>", "<s>", "</s>", *WORDS]
+    words += [f"w{i}" for i in range(vocab - 1 - len(words))] + ["<image>"]
+    vision = dict(
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
@@ -120,18 +105,9 @@ def build_vllm_llava_checkpoint(folder: Path, seed: int = 0) -> Any:
         patch_size=8,
         projection_dim=32,
     )
-    config = LlavaConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=LLAVA_IMAGE_TOKEN_ID,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
+    model, processor = save_random_llava(
+        folder, vllm_llama_config(vocab), vision, words, 40, seed, init=_scramble
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    _scramble(model, seed)
-    model = model.float().eval()
-    model.save_pretrained(str(folder))
     weights = folder / "model.safetensors"
     tensors = {
         f"vision_tower.vision_model.{k.removeprefix('vision_tower.')}"
@@ -140,30 +116,6 @@ def build_vllm_llava_checkpoint(folder: Path, seed: int = 0) -> Any:
         for k, v in load_file(str(weights)).items()
     }
     save_file(tensors, str(weights), metadata={"format": "pt"})
-
-    words = ["<unk>", "<s>", "</s>", *WORDS]
-    words += [f"w{i}" for i in range(vocab - 1 - len(words))] + ["<image>"]
-    tokenizer = word_tokenizer(
-        words,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        extra_special_tokens={"image_token": "<image>"},
-    )
-    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
-    images = CLIPImageProcessorPil(
-        size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}
-    )
-    processor = LlavaProcessor(
-        image_processor=images,
-        tokenizer=tokenizer,
-        patch_size=8,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=LLAVA_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
     return model, processor
 
 

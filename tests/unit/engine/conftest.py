@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from loadgen.scripts import load_script
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
@@ -17,16 +19,12 @@ CHAT_TEMPLATE = (
 WORDS = ["hello", "world", "the", "a", "cat", "sat", "on", "mat", "<|user|>", "<|assistant|>"]
 
 
-def word_tokenizer(words: list[str], **special_tokens: Any) -> Any:
-    """A Hugging Face fast tokenizer that splits on whitespace and maps ``words[i]`` to
-    id ``i`` (anything else to ``words[0]``); ``special_tokens`` as the tokenizer takes
-    them (``bos_token=...``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+# The one word-level tokenizer and LLaVA checkpoint builders: benchmarks/engine.py's.
+_BUILDERS = load_script(
+    Path(__file__).resolve().parents[3] / "benchmarks" / "engine.py", "bench_engine_builders"
+)
+word_tokenizer = _BUILDERS.word_tokenizer
+save_random_llava = _BUILDERS.save_random_llava
 
 
 def save_word_tokenizer(folder: Path, vocab_size: int) -> None:

@@ -27,7 +27,7 @@ from services.engine.placeholders import (
     read_image_prompt_spec,
 )
 from services.engine.tiny_vl import TINY_VL_NAME
-from tests.unit.engine.conftest import _scramble, word_tokenizer
+from tests.unit.engine.conftest import _scramble, save_random_llava
 from tests.unit.engine.llava_twin import hf_names, random_image, tiny_vl_twin
 
 TOL = 1e-4
@@ -36,16 +36,8 @@ IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = VOCAB - 1
 
 
-def _save_tokenizer(folder: Path) -> Any:
-    words = ["<unk>", "<s>", "</s>", "hello", "the", "cat", "sat", "on", "a", "mat", "USER:"]
-    words += [f"w{i}" for i in range(VOCAB - 1 - len(words))] + [IMAGE_TOKEN]
-    return word_tokenizer(
-        words,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        extra_special_tokens={"image_token": IMAGE_TOKEN},
-    )
+WORDS = ["<unk>", "<s>", "</s>", "hello", "the", "cat", "sat", "on", "a", "mat", "USER:"]
+WORDS += [f"w{i}" for i in range(VOCAB - 1 - len(WORDS))] + [IMAGE_TOKEN]
 
 
 @dataclass
@@ -56,14 +48,7 @@ class LlavaCheckpoint:
 
 
 def _build(folder: Path, feature_layer: int | list[int], strategy: str) -> LlavaCheckpoint:
-    from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers import LlamaConfig
 
     text = LlamaConfig(
         vocab_size=VOCAB,
@@ -78,7 +63,7 @@ def _build(folder: Path, feature_layer: int | list[int], strategy: str) -> Llava
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    vision = CLIPVisionConfig(
+    vision = dict(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=3,
@@ -87,30 +72,17 @@ def _build(folder: Path, feature_layer: int | list[int], strategy: str) -> Llava
         patch_size=8,
         projection_dim=16,
     )
-    config = LlavaConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=IMAGE_TOKEN_ID,
-        vision_feature_layer=feature_layer,
-        vision_feature_select_strategy=strategy,
-    )
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config)
-    _scramble(model, 0)
-    model = model.float().eval()
-    model.save_pretrained(str(folder))
     # Resize the shortest edge to 40, then crop 32x32: both steps matter.
-    images = CLIPImageProcessorPil(
-        size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}
+    model, processor = save_random_llava(
+        folder,
+        text,
+        vision,
+        WORDS,
+        40,
+        init=_scramble,
+        feature_layer=feature_layer,
+        strategy=strategy,
     )
-    processor = LlavaProcessor(
-        image_processor=images,
-        tokenizer=_save_tokenizer(folder),
-        patch_size=8,
-        vision_feature_select_strategy=strategy,
-        num_additional_image_tokens=1,
-    )
-    processor.save_pretrained(str(folder))
     return LlavaCheckpoint(folder, model, processor)
 
 

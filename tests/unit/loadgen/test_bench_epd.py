@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loadgen.metrics import RequestRecord
 from loadgen.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -71,3 +72,51 @@ def test_the_verdict_reads_the_issue_target_row_only() -> None:
     assert epd.verdict([_row(gpus, ttft_ms, 0.0, 0.0)])["met"] is False
     # A run that did not search the target says nothing.
     assert epd.verdict([_row(gpus, 600.0, 65.0, 50.0), _row(8, ttft_ms, 65.0, 50.0)]) is None
+
+
+epd_live = load_script(ROOT / "benchmarks" / "epd_live.py", "bench_epd_live_test")
+
+
+def _record(rid: str, start_s: float, ttft_s: float | None) -> RequestRecord:
+    if ttft_s is None:  # refused at once
+        return RequestRecord(rid, False, start_s, e2el_s=0.01, status=429, error="rejected")
+    return RequestRecord(rid, True, start_s, ttft_s=ttft_s, e2el_s=ttft_s + 0.1)
+
+
+def test_burst_text_requests_are_those_sent_while_an_image_request_awaits_its_first_token() -> None:
+    records = [
+        _record("img1", 1.0, 0.5),  # waits 1.0-1.5 s
+        _record("t-before", 0.9, 0.05),
+        _record("t-in", 1.2, 0.3),
+        _record("t-at-first-token", 1.5, 0.05),  # the image's first token came: not in it
+        _record("img2", 3.0, None),  # refused at once: a 10 ms window
+        _record("t-in-refused-window", 3.005, 0.05),
+        _record("t-after", 4.0, 0.05),
+    ]
+    burst = epd_live.in_burst(records, {"img1", "img2"})
+    assert [r.request_id for r in burst] == ["t-in", "t-in-refused-window"]
+
+
+def test_burst_p90_counts_a_request_with_no_first_token_as_unbounded() -> None:
+    served = [_record(f"t{i}", 0.0, (i + 1) / 1000) for i in range(20)]  # 1..20 ms
+    assert epd_live.p90_or_none(served) == 18.0  # nearest rank: the 18th of 20
+    # Two refused of 20 push the rank onto the slowest served one; three, past it.
+    two = [*served[:18], _record("r1", 0.0, None), _record("r2", 0.0, None)]
+    assert epd_live.p90_or_none(two) == 18.0
+    three = served[:17] + [_record(f"r{i}", 0.0, None) for i in range(3)]
+    assert epd_live.p90_or_none(three) is None
+    assert epd_live.p90_or_none([]) is None
+
+
+def test_the_live_verdict_needs_e_p_d_lower_at_every_rate() -> None:
+    rows = [
+        {"rate_rps": 2.0, "epd": 40.0, "encode_colocated": 50.0},
+        {"rate_rps": 4.0, "epd": 60.0, "encode_colocated": None},  # colocated unbounded
+    ]
+    verdict = epd_live.live_verdict(rows)
+    assert verdict["met"] and [r["lower"] for r in verdict["by_rate"]] == [True, True]
+    tied = [*rows, {"rate_rps": 6.0, "epd": 70.0, "encode_colocated": 70.0}]
+    assert not epd_live.live_verdict(tied)["met"]
+    unbounded = [*rows, {"rate_rps": 6.0, "epd": None, "encode_colocated": None}]
+    assert not epd_live.live_verdict(unbounded)["met"]
+    assert not epd_live.live_verdict([])["met"]
