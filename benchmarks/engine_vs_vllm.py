@@ -6,7 +6,7 @@
 their wall-clock rates also measure what the load client, the front ends and other
 processes take from the engine's core (``benchmarks/serving_profile.py`` reports
 that as the engine thread's run-queue wait). This compares the engines only, in
-its own process, by CPU time: the ~76M random Llama of ``benchmarks/engine.py``
+its own process, by CPU time: the ~76M random Llama of ``benchmarks/checkpoints.py``
 (float32), served in waves of ``--concurrency`` requests of ``--input-len`` prompt
 tokens and ``--output-len`` output tokens, greedy, EOS ignored — what the served
 closed loop does, since its requests all have the same lengths and finish together.
@@ -43,8 +43,8 @@ SIDES = ("baton", "baton-torch", "vllm")
 
 
 def save_llama_100m(folder: Path) -> Any:
-    """benchmarks/engine.py's ~76M random Llama (what vs_vllm.py serves)."""
-    return load_script(_HERE / "engine.py", "baton_bench_engine").save_llama_100m(folder)
+    """benchmarks/checkpoints.py's ~76M random Llama (what vs_vllm.py serves)."""
+    return load_script(_HERE / "checkpoints.py", "bench_checkpoints").save_llama_100m(folder)
 
 
 def _baton(folder: Path, cpu_kernels: bool) -> Any:

@@ -79,7 +79,7 @@ def save_costed_llava(folder: Path) -> Path:
     language model (a word tokenizer of ``COSTED_VOCAB`` ids, ``<image>`` last)."""
     from transformers import LlamaConfig
 
-    engine = load_script(_HERE / "engine.py", "bench_engine")
+    checkpoints = load_script(_HERE / "checkpoints.py", "bench_checkpoints")
     text = LlamaConfig(
         vocab_size=COSTED_VOCAB,
         max_position_embeddings=4096,
@@ -90,7 +90,7 @@ def save_costed_llava(folder: Path) -> Path:
     )
     words = ["<unk>", "<s>", "</s>", *(f"w{i}" for i in range(COSTED_VOCAB - 4)), "<image>"]
     side = COSTED_VISION["image_size"]
-    engine.save_random_llava(folder, text, COSTED_VISION, words, side)
+    checkpoints.save_random_llava(folder, text, COSTED_VISION, words, side)
     return folder
 
 

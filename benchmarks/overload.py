@@ -69,7 +69,7 @@ WORKLOAD = WorkloadConfig(input_len="lognormal:mean=200,sigma=0.8", output_len="
 
 def save_small_llama(folder: Path) -> Path:
     """A random 15M-parameter Llama (hidden 384, 6 layers, 6/2 heads, vocab 4096)."""
-    load_script(_HERE / "engine.py", "bench_engine").save_random_llama(
+    load_script(_HERE / "checkpoints.py", "bench_checkpoints").save_random_llama(
         folder, 4096, 384, 1024, 6, 6, 2
     )
     return folder
@@ -77,7 +77,7 @@ def save_small_llama(folder: Path) -> Path:
 
 def save_medium_llama(folder: Path) -> Path:
     """A random 53M-parameter Llama (hidden 768, 8 layers, 12/4 heads, vocab 4096)."""
-    load_script(_HERE / "engine.py", "bench_engine").save_random_llama(
+    load_script(_HERE / "checkpoints.py", "bench_checkpoints").save_random_llama(
         folder, 4096, 768, 2048, 8, 12, 4
     )
     return folder

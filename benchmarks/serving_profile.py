@@ -383,8 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.model == "tiny":
         model = tokenizer = "tiny"
     else:
-        sys.path.insert(0, str(_HERE))
-        from engine import save_llama_100m  # benchmarks/engine.py
+        from loadgen.scripts import load_script
+
+        save_llama_100m = load_script(_HERE / "checkpoints.py", "bench_checkpoints").save_llama_100m
 
         folder = Path(tempfile.mkdtemp(prefix="baton-profile-")) / "llama-100m"
         save_llama_100m(folder)

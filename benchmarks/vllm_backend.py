@@ -26,11 +26,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The repository first: run as a script, this folder leads sys.path and its kvtransfer.py
+# would shadow the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import save_llama_100m  # benchmarks/engine.py
-
+from loadgen.scripts import load_script
 from loadgen.server_proc import free_port, stop, wait_until_serving
+
+save_llama_100m = load_script(
+    Path(__file__).resolve().with_name("checkpoints.py"), "bench_checkpoints"
+).save_llama_100m
 
 __all__ = ["free_port", "run_server", "workload_arguments"]
 

@@ -37,8 +37,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import save_llama_100m  # benchmarks/engine.py
-from vllm_backend import free_port, run_server, workload_arguments  # benchmarks/vllm_backend.py
+# benchmarks/vllm_backend.py, which also puts the repository ahead of this folder.
+from vllm_backend import free_port, run_server, workload_arguments
+
+from loadgen.scripts import load_script
+
+save_llama_100m = load_script(
+    Path(__file__).resolve().with_name("checkpoints.py"), "bench_checkpoints"
+).save_llama_100m
 
 
 def baton_config(threads: int) -> dict[str, Any]:

@@ -19,9 +19,9 @@ CHAT_TEMPLATE = (
 WORDS = ["hello", "world", "the", "a", "cat", "sat", "on", "mat", "<|user|>", "<|assistant|>"]
 
 
-# The one word-level tokenizer and LLaVA checkpoint builders: benchmarks/engine.py's.
+# The one word-level tokenizer and LLaVA checkpoint builders: benchmarks/checkpoints.py's.
 _BUILDERS = load_script(
-    Path(__file__).resolve().parents[3] / "benchmarks" / "engine.py", "bench_engine_builders"
+    Path(__file__).resolve().parents[3] / "benchmarks" / "checkpoints.py", "bench_checkpoints"
 )
 word_tokenizer = _BUILDERS.word_tokenizer
 save_random_llava = _BUILDERS.save_random_llava
