@@ -49,6 +49,7 @@ __all__ = [
     "sample_output_lengths",
     "sample_output_lengths_of_one",
     "sorted_history",
+    "worst_case_peak",
 ]
 
 
@@ -200,6 +201,24 @@ def remaining_tokens(
     return np.maximum(drawn, 0.0, out=drawn)
 
 
+def worst_case_peak(
+    held_tokens: float,
+    num_generated: np.ndarray,
+    max_tokens: np.ndarray,
+    candidate_prompt_tokens: int,
+    candidate_max_tokens: int,
+) -> float:
+    """An upper bound of every draw's peak with a candidate added: each request's draw
+    is capped by ``M``, so ``r_i <= max(0, M_i − g_i − 1)``, and with ``r`` sorted
+    descending ``k·r_(k) <= Σ_{j≤k} r_(j)``, so each term of the peak is at most
+    ``Σ_i (c_i + r_i)``. ``held_tokens``: ``Σ c_i`` of the running requests."""
+    to_go = max_tokens - num_generated
+    to_go -= 1.0
+    running_to_go = float(np.maximum(to_go, 0.0, out=to_go).sum())
+    candidate_to_go = max(0, candidate_max_tokens - 1)
+    return held_tokens + running_to_go + candidate_prompt_tokens + candidate_to_go
+
+
 def _arrays(running: Sequence[RunningLike]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = len(running)
     held = np.fromiter((r.num_tokens_held for r in running), dtype=np.float64, count=n)
@@ -343,11 +362,20 @@ class PastFutureAdmission:
         block_size: int,
     ) -> bool:
         used_tokens = (num_total_blocks - num_free_blocks) * block_size
-        other_tokens = max(0.0, used_tokens - float(held.sum()))
+        held_tokens = float(held.sum())
+        other_tokens = max(0.0, used_tokens - held_tokens)
+        limit = self.estimator.fraction * num_total_blocks * block_size - other_tokens
+        # No draw's peak exceeds every request (the candidate too) holding what it holds
+        # plus all it may still generate (``worst_case_peak``): when even that fits, the
+        # draws would admit, so none is made (a decode worker far from full, the common
+        # case, decides in a few array operations instead of a table's dozens).
+        worst = worst_case_peak(held_tokens, gen, cap, num_prompt_tokens, max_tokens)
+        if worst < limit:
+            self.last_peak_tokens = worst
+            return True
         table = self.estimator.table_of(held, gen, cap)
         r_q = self.estimator.candidate_remaining(max_tokens)
         self.last_peak_tokens = table.peak_with(float(num_prompt_tokens), r_q)
-        limit = self.estimator.fraction * num_total_blocks * block_size - other_tokens
         return self.last_peak_tokens < limit
 
     def observe_finished(self, output_len: int) -> None:

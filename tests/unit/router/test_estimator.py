@@ -14,6 +14,7 @@ from router.estimator import (
     PastFutureEstimator,
     remaining_tokens,
     sorted_history,
+    worst_case_peak,
 )
 from router.peak_table import PeakTable, peak_per_draw
 from router.types import RunningRequest
@@ -172,6 +173,52 @@ def test_admission_boundary_and_other_tokens() -> None:
     assert adm.last_peak_tokens == 213
     # Two more used blocks (32 tokens) held by something else: 228 - 32 + 2 = 198 < 213.
     assert not adm.can_admit(5, 1000, running, 11, 15, 16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 3000), max_size=40),
+    reqs=st.lists(_request, min_size=1, max_size=12),
+    cand=st.tuples(st.integers(0, 800), st.integers(1, 900)),
+    free_blocks=st.integers(0, 400),
+    seed=st.integers(0, 99),
+)
+def test_admission_decides_as_its_draws_would(lengths, reqs, cand, free_blocks, seed) -> None:
+    """The worst case bounds every draw's peak, so skipping the draws when it fits never
+    changes a decision: each one equals the drawn estimate's (same seed, drawn here)."""
+    running = [RunningRequest(c, g, g + extra) for c, g, extra in reqs]
+    total_blocks = 400
+    adm = PastFutureAdmission(prior_output_len=200, num_prior=4, seed=seed)
+    for n in lengths:
+        adm.observe_finished(n)
+    drawn = PastFutureEstimator(adm.history, np.random.default_rng(seed))
+    used = (total_blocks - free_blocks) * 16
+    other = max(0.0, used - sum(r.num_tokens_held for r in running))
+    limit = drawn.fraction * total_blocks * 16 - other
+    peak = drawn.peak_with(running, *cand)
+    held = float(sum(r.num_tokens_held for r in running))
+    gen = np.array([r.num_generated for r in running], dtype=np.float64)
+    cap = np.array([r.max_tokens for r in running], dtype=np.float64)
+    assert worst_case_peak(held, gen, cap, *cand) >= peak
+    fits = np.ceil((cand[0] + 1) / 16) <= free_blocks
+    assert adm.can_admit(*cand, running, free_blocks, total_blocks, 16) == (fits and peak < limit)
+
+
+def test_admission_draws_nothing_when_the_worst_case_fits() -> None:
+    """A worker far from full: every request at its cap fits, so no draw is made (the
+    generator is untouched) and the estimate reported is that worst case."""
+    adm = _admission()
+    running = [RunningRequest(100, 10, 50), RunningRequest(40, 0, 30)]
+    state = adm.estimator.rng.bit_generator.state
+    assert adm.can_admit(20, 60, running, 900, 1000, 16)
+    assert adm.estimator.rng.bit_generator.state == state
+    # held 140 + to go (50-10-1) + (30-0-1) + the candidate's 20 + (60-1)
+    assert adm.last_peak_tokens == 140 + 39 + 29 + 20 + 59
+    # Fuller: 20 of 30 blocks used, 180 tokens by others: the limit 0.95 * 480 - 180 =
+    # 276 is under the worst case (287), so the draws decide (and move the generator).
+    adm.can_admit(20, 60, running, 10, 30, 16)
+    assert adm.estimator.rng.bit_generator.state != state
+    assert adm.last_peak_tokens <= 287
 
 
 def test_admission_learns_from_finished_requests() -> None:
