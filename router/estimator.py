@@ -23,7 +23,9 @@ A candidate is admitted only if the peak with it added stays under
 request). A candidate is a request with ``g = 0`` holding its prompt.
 
 ``PastFutureAdmission`` is this rule shaped as the engine's ``AdmissionPolicy``
-(``services/backends/protocol.py``), matched structurally. ``router.peak_table``
+(``services/backends/protocol.py``), matched structurally; it draws nothing when even
+the worst case fits (``worst_case_peak``: every request at its cap), which bounds every
+draw's peak, so the decision is the draws' own. ``router.peak_table``
 keeps one worker's sorted draws so the router can price many candidates against it
 in O(S·n) without redrawing.
 """
