@@ -316,20 +316,15 @@ class SloGoodput:
 
         # Colocated: the same checks without a transfer, priced with the decodes it stalls:
         # the mean step of the running sequences with this prompt's chunks among them.
-        # None of it where no worker may host one (a P/D cluster: no mixed worker).
-        has_host = any_true(coloc_ok)
-        if has_host:
-            coloc_tpot_s = (
-                colocated_tpot_s(t, n, self._mean_output_len) + t.step_per_token_s * held_q
-            )
-            ok = (
-                coloc_ok
-                & decodable
-                & (ttft_local <= budget_s)
-                & (coloc_tpot_s <= tpot_limit_s)
-                & self._may_colocate(t, is_long)
-            )
-        if has_host and any_true(ok):
+        coloc_tpot_s = colocated_tpot_s(t, n, self._mean_output_len) + t.step_per_token_s * held_q
+        ok = (
+            coloc_ok
+            & decodable
+            & (ttft_local <= budget_s)
+            & (coloc_tpot_s <= tpot_limit_s)
+            & self._may_colocate(t, is_long)
+        )
+        if any_true(ok):
             cost = ttft_local + t.stall_per_prefill_s * prefill_s
             c = pick_decode(t, ok, sure, -cost, held_q, r_q, limit, self.max_exact_checks)
             if c >= 0 and (best is None or cost[c] < best[0]):
