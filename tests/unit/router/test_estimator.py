@@ -192,11 +192,10 @@ def test_admission_decides_as_its_draws_would(lengths, reqs, cand, free_blocks, 
     for n in lengths:
         adm.observe_finished(n)
     drawn = PastFutureEstimator(adm.history, np.random.default_rng(seed))
-    used = (total_blocks - free_blocks) * 16
-    other = max(0.0, used - sum(r.num_tokens_held for r in running))
-    limit = drawn.fraction * total_blocks * 16 - other
-    peak = drawn.peak_with(running, *cand)
     held = float(sum(r.num_tokens_held for r in running))
+    used = (total_blocks - free_blocks) * 16
+    limit = drawn.fraction * total_blocks * 16 - max(0.0, used - held)
+    peak = drawn.peak_with(running, *cand)
     gen = np.array([r.num_generated for r in running], dtype=np.float64)
     cap = np.array([r.max_tokens for r in running], dtype=np.float64)
     assert worst_case_peak(held, gen, cap, *cand) >= peak
