@@ -53,6 +53,13 @@ class EngineConfig(_Section):
     kv_cache_bytes: int = Field(64 * 2**20, ge=1, description="KV pool size per worker, bytes")
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description="the most prompt tokens one request prefills in a step (0: the step's "
+        "budget): a long prompt goes in chunks, and a short one that arrives meanwhile "
+        "starts in the next step instead of after it (vLLM's option of the same name)",
+    )
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     admission: Literal["past_future", "blocks"] = Field(

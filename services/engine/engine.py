@@ -102,6 +102,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             admission=admission,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         # A request longer than the whole pool could never run; the limit says so up front.
         max_model_len = min(

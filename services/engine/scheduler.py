@@ -2,7 +2,12 @@
 
 Every step each running request asks for ``num_tokens - num_computed_tokens`` new
 tokens (a whole prompt, a chunk of it, or one decode token), capped by the step's
-token budget (``max_num_batched_tokens``). Running requests are served oldest
+token budget (``max_num_batched_tokens``) and, where set, by the long-prefill threshold
+(``long_prefill_token_threshold``, as vLLM's: while more than one request is in the
+engine, none computes more tokens than that in one step, so a long prompt is prefilled
+in chunks and a short one that arrives meanwhile runs in the next step, not after the
+whole long prompt; a request alone has nobody to wait for it and takes the whole
+budget). Running requests are served oldest
 first; when the pool cannot grow for one of them, the NEWEST running request is
 preempted: its blocks are freed and it goes back to the front of the waiting
 queue, to be recomputed (prompt + generated so far) when it is admitted again.
@@ -65,10 +70,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         admission: AdmissionPolicy | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.admission: AdmissionPolicy = admission or BlockAvailabilityAdmission()
         self.waiting: deque[Request] = deque()
         self.adopted: deque[Request] = deque()  # blocks filled, ready to run
@@ -102,12 +109,13 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        cap = self._chunk_cap()
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = min(request.num_uncomputed_tokens, budget, cap)
             if not self._make_room(request, request.num_computed_tokens + num_new, preempted):
                 break  # the request itself was the newest and got preempted
             scheduled.append(ScheduledRequest(request, num_new))
@@ -115,9 +123,16 @@ class Scheduler:
             i += 1
         # A step that had to preempt admits nothing: the pool is already short.
         if not preempted:
-            budget = self._admit_adopted(budget, scheduled)
-            self._admit_waiting(budget, scheduled)
+            budget = self._admit_adopted(budget, cap, scheduled)
+            self._admit_waiting(budget, cap, scheduled)
         return SchedulerOutput(scheduled, preempted)
+
+    def _chunk_cap(self) -> int:
+        """The most tokens one request computes this step (see the module)."""
+        threshold = self.long_prefill_token_threshold
+        if threshold and len(self.running) + len(self.adopted) + len(self.waiting) > 1:
+            return threshold
+        return self.max_num_batched_tokens
 
     def _make_room(self, request: Request, num_total_tokens: int, preempted: list[Request]) -> bool:
         """Grow the request's blocks, preempting the newest running requests as needed."""
@@ -133,11 +148,11 @@ class Scheduler:
         bm.append(request.request_id, num_total_tokens)
         return True
 
-    def _admit_adopted(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_adopted(self, budget: int, cap: int, scheduled: list[ScheduledRequest]) -> int:
         bm = self.block_manager
         while self.adopted and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.adopted[0]
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = min(request.num_uncomputed_tokens, budget, cap)
             if not bm.can_append(request.request_id, request.num_computed_tokens + num_new):
                 break
             bm.append(request.request_id, request.num_computed_tokens + num_new)
@@ -146,14 +161,14 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _admit_waiting(self, budget: int, cap: int, scheduled: list[ScheduledRequest]) -> None:
         bm = self.block_manager
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
             token_ids = request.hash_token_ids
             num_hit_tokens = len(bm.find_cached_prefix(token_ids)) * bm.block_size
             num_to_compute = request.num_tokens - num_hit_tokens
-            num_new = min(num_to_compute, budget)
+            num_new = min(num_to_compute, budget, cap)
             # The policy sees the tokens that need new KV (prompt minus prefix hits).
             admitted = self.admission.can_admit(
                 num_to_compute,

@@ -63,6 +63,7 @@ def make_vllm_engine(
         "max_model_len": engine_cfg.max_model_len,
         "max_num_seqs": engine_cfg.max_num_seqs,
         "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
+        "long_prefill_token_threshold": engine_cfg.long_prefill_token_threshold,
         "enable_prefix_caching": engine_cfg.enable_prefix_caching,
     }  # block size: vLLM's default for the platform (CPU attention needs a multiple of 32)
     if on_cpu:

@@ -71,6 +71,29 @@ def test_chunked_prefill_in_one_batch_equals_hf(kind: str, oracle: Any) -> None:
     assert engine.stats().num_preemptions == 0
 
 
+def test_long_prompts_prefilled_in_threshold_chunks_equal_hf(oracle: Any) -> None:
+    ckpt, expected = oracle("llama")
+    prompts = make_prompts(ckpt.model.config.vocab_size)
+    engine = make_engine(ckpt.folder, block_size=BLOCK_SIZE, long_prefill_token_threshold=8)
+    for r in requests(prompts):
+        engine.add_request(r)
+    got: dict[str, list[int]] = {}
+    prefilled = []  # prompt tokens of each step
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        prefilled.append(engine.stats().recent_steps[-1].num_prefill_tokens)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    # All eight prompts went side by side in chunks of at most 8 tokens (one step of all
+    # 184 without the threshold): 3 + 7 + 6x8 first, then what was left of each, 8 at most.
+    left, chunks = list(PROMPT_LENS), []
+    while any(left):
+        chunks.append(sum(min(8, n) for n in left))
+        left = [max(0, n - 8) for n in left]
+    assert prefilled[: len(chunks)] == chunks
+    assert not any(prefilled[len(chunks) :])
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_preemption_under_a_small_pool_equals_hf(kind: str, oracle: Any) -> None:
     ckpt, expected = oracle(kind)

@@ -54,6 +54,40 @@ def test_prefill_and_decode_share_one_step_under_the_token_budget() -> None:
     assert scheduled(out) == {"a": 1, "b": 2}
 
 
+def test_long_prefill_threshold_lets_a_short_prompt_start_during_a_long_one() -> None:
+    # Beside a decoding request, the long prompt goes in chunks of 8 (without the
+    # threshold it takes 40 of the budget at once), and a short prompt that arrives
+    # meanwhile runs whole in the next step beside its chunk.
+    capped = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    whole = make_scheduler(max_num_batched_tokens=64)
+    for s in (capped, whole):
+        s.add(make_request("a", 3))
+        run_step(s, s.schedule())  # a decodes from now on
+        s.add(make_request("long", 40, start=100))
+    out = capped.schedule()
+    assert scheduled(out) == {"a": 1, "long": 8}
+    assert scheduled(whole.schedule()) == {"a": 1, "long": 40}
+    run_step(capped, out)
+    capped.add(make_request("short", 5, start=200))
+    out = capped.schedule()
+    assert scheduled(out) == {"a": 1, "long": 8, "short": 5}
+    for _ in range(3):
+        run_step(capped, out)
+        out = capped.schedule()
+    assert scheduled(out) == {"a": 1, "long": 8, "short": 1}  # long's last 8 of 40
+
+
+def test_long_prefill_threshold_spares_a_request_alone() -> None:
+    # Nobody waits for a lone prompt: it takes the whole budget; a second request caps it.
+    s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    s.add(make_request("long", 40))
+    assert scheduled(s.schedule()) == {"long": 40}
+    s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    s.add(make_request("b", 20))
+    s.add(make_request("c", 30, start=100))
+    assert scheduled(s.schedule()) == {"b": 8, "c": 8}
+
+
 def test_max_num_seqs_bounds_the_running_set() -> None:
     s = make_scheduler(max_num_seqs=2)
     for i in range(3):
