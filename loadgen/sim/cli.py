@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-budget", type=int, default=8192, help="token budget of a prefill step"
     )
+    g.add_argument(
+        "--long-prefill-tokens",
+        type=int,
+        default=None,
+        help="the engines' long_prefill_token_threshold (default: the config's, 0: none)",
+    )
     g.add_argument("--max-tokens", type=int, default=None, help="max_tokens the router sees")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -105,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
             slo=slo,
             chunk_tokens=args.chunk_tokens,
             prefill_budget_tokens=args.prefill_budget,
+            long_prefill_tokens=(
+                args.long_prefill_tokens
+                if args.long_prefill_tokens is not None
+                else served.engine.long_prefill_token_threshold
+            ),
             max_tokens=args.max_tokens,
             rebalance=not args.no_rebalance,
             flip_latency_s=args.flip_latency,

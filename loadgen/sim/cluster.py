@@ -73,6 +73,7 @@ class SimCluster:
         flip_latency_s: float = 0.5,
         image_tokens: ImageTokens | None = None,
         progress: Callable[[int, int, float], None] | None = None,
+        long_prefill_tokens: int = 0,
     ) -> None:
         self.profile = profile
         # Called every ``_PROGRESS_EVERY`` events with (requests finished, requests in
@@ -90,6 +91,7 @@ class SimCluster:
         self.max_tokens = max_tokens
         self.prefill_budget_tokens = prefill_budget_tokens
         self.chunk_tokens = chunk_tokens
+        self.long_prefill_tokens = long_prefill_tokens  # the engines' threshold (0: none)
         self.make_admission = make_admission
         self.flip_latency_s = flip_latency_s
         self._dirty: list[SimWorker] = []
@@ -134,6 +136,7 @@ class SimCluster:
             self._on_step,
             self._dirty,
             self.make_admission() if self.make_admission and role is not Role.PREFILL else None,
+            self.long_prefill_tokens,
         )
 
     def _worker_profile(self, role: Role) -> Profile:

@@ -54,6 +54,7 @@ class SimConfig:
     slo: GoodputSLO | None = None
     prefill_budget_tokens: int = 8192
     chunk_tokens: int = 512
+    long_prefill_tokens: int = 0  # the engines' long_prefill_token_threshold (0: none)
     max_tokens: int | None = None  # what the router is told; None: the true output length
     admission: str = (
         "past_future"  # decode admission: past_future (the router's estimator) or greedy
@@ -108,6 +109,7 @@ def simulate_specs(config: SimConfig, specs: list[RequestSpec]) -> SimResult:
             config.image_tokens_per_image, config.image_tile_px, config.max_image_tiles
         ),
         progress=config.progress,
+        long_prefill_tokens=config.long_prefill_tokens,
     )
     started, started_cpu = time.perf_counter(), time.process_time()
     if config.rate is None:
@@ -187,6 +189,7 @@ def _check_counts(config: SimConfig) -> None:
         "--encode": (config.num_encode, 0),
         "--chunk-tokens": (config.chunk_tokens, 1),
         "--prefill-budget": (config.prefill_budget_tokens, 1),
+        "--long-prefill-tokens": (config.long_prefill_tokens, 0),
         "--max-tokens": (1 if config.max_tokens is None else config.max_tokens, 1),
     }
     for flag, (value, low) in at_least.items():

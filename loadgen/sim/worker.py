@@ -137,11 +137,14 @@ class SimWorker:
         on_step: StepHook,
         dirty_list: list[SimWorker],
         admission: Admission | None = None,
+        long_prefill_tokens: int = 0,
     ) -> None:
         self.worker_id = worker_id
         self.role = role
         self.profile = profile
         self.budget_tokens = budget_tokens
+        # The engine's ``long_prefill_token_threshold`` (0: none): see ``_take_chunks``.
+        self.long_prefill_tokens = long_prefill_tokens
         self.capacity_tokens = profile.num_kv_blocks * profile.block_size
         self._schedule = schedule
         self._on_prefilled = on_prefilled
@@ -355,20 +358,27 @@ class SimWorker:
                 self.admission.record_exhaustion()
 
     def _take_chunks(self) -> list[tuple[SimRequest, int]]:
-        """The queue's head fills what the running decodes leave of the budget. A
-        request whose last chunk is taken leaves the queue (the engine runs it); one
-        cut by the budget stays at the head, its remaining tokens still waiting."""
+        """The queue, from its head, fills what the running decodes leave of the
+        budget, as the engine's scheduler does: with a long-prefill threshold and more
+        than one request here, no request takes more than the threshold in a step.
+        A request whose last chunk is taken leaves the queue (the engine runs it); one
+        cut by the budget or the threshold keeps its place, its tokens still waiting."""
         budget = self.budget_tokens - len(self.running)
-        chunks: list[tuple[SimRequest, int]] = []
         queue = self.queue
-        while queue and budget > 0:
-            req = queue[0]
-            n = min(req.prefill_left, budget)
+        cap = self.long_prefill_tokens
+        if not cap or len(queue) + len(self.running) <= 1:
+            cap = budget
+        chunks: list[tuple[SimRequest, int]] = []
+        for req in queue:
+            if budget <= 0:
+                break
+            n = min(req.prefill_left, budget, cap)
             chunks.append((req, n))
             budget -= n
-            if n < req.prefill_left:
-                break
+        cut = [req for req, n in chunks if n < req.prefill_left]
+        for _ in chunks:
             queue.popleft()
+        queue.extendleft(reversed(cut))
         return chunks
 
     # ---- closed-form segment timing ----------------------------------------

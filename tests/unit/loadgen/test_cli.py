@@ -177,6 +177,7 @@ def test_bench_timeout_must_be_seconds_above_zero(
         (["--colocated", "-2"], "--colocated must be >= 0, got -2"),
         (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1, got 0"),
         (["--prefill-budget", "0"], "--prefill-budget must be >= 1, got 0"),
+        (["--long-prefill-tokens", "-1"], "--long-prefill-tokens must be >= 0, got -1"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
         (["--flip-latency", "-1"], "--flip-latency must be >= 0 seconds"),
     ],
@@ -187,3 +188,21 @@ def test_simulate_refuses_counts_and_sizes_out_of_range(
     argv = ["simulate", "--prefill", "1", "--decode", "1", "--rate", "5", "--num-requests", "5"]
     assert main([*argv, *flags]) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "expected"), [([], 96), (["--long-prefill-tokens", "0"], 0)])
+def test_simulate_chunks_prompts_as_the_served_config_says(
+    flags: list[str], expected: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engines' long-prefill threshold comes from the same config file as the router's
+    # settings; the flag overrides it.
+    import loadgen.sim.cli as sim_cli
+
+    served = tmp_path / "serve.json"
+    served.write_text(json.dumps({"engine": {"long_prefill_token_threshold": 96}}))
+    taken = []
+    real = sim_cli.simulate
+    monkeypatch.setattr(sim_cli, "simulate", lambda config: taken.append(config) or real(config))
+    argv = ["simulate", "--config", str(served), "--rate", "5", "--num-requests", "5"]
+    assert main([*argv, *flags]) == 0
+    assert [c.long_prefill_tokens for c in taken] == [expected]

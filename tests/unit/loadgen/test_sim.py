@@ -81,6 +81,22 @@ def test_colocated_chunked_prefill() -> None:
     assert rec.e2el_s == pytest.approx(0.12 + 0.0201 + 0.0202)
 
 
+def test_long_prefill_threshold_lets_a_short_prompt_past_a_long_one() -> None:
+    # a (1000 tokens) runs alone, whole: 0.01 + 1.0 s. c (1000) and b (20) queue behind it.
+    specs = [_spec("a", 0.0, 1000, 2), _spec("c", 0.5, 1000, 2), _spec("b", 0.6, 20, 2)]
+    capped = _by_id(simulate_specs(_disagg(long_prefill_tokens=100), specs))
+    whole = _by_id(simulate_specs(_disagg(), specs))
+    for rec in (capped, whole):
+        assert rec["a"].ttft_s == pytest.approx(1.01)
+    # Capped: c's first 100 tokens and all of b share the step from 1.01 (0.01 + 0.12 s);
+    # then c, alone, takes its last 900 in one step (0.01 + 0.9 s).
+    assert capped["b"].ttft_s == pytest.approx(1.14 - 0.6)
+    assert capped["c"].ttft_s == pytest.approx(1.14 + 0.91 - 0.5)
+    # Whole: c's 1000 and b's 20 in one step from 1.01 (0.01 + 1.02 s).
+    assert whole["b"].ttft_s == pytest.approx(2.04 - 0.6)
+    assert whole["c"].ttft_s == pytest.approx(2.04 - 0.5)
+
+
 def test_rejections_are_failures_and_lower_attainment() -> None:
     cfg = _disagg(policy="test_reject_all", slo=GoodputSLO(ttft_ms=1000))
     s = simulate_specs(cfg, [_spec("a", 0.0, 10, 2), _spec("b", 0.1, 10, 2)]).summary
