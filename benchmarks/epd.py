@@ -392,6 +392,12 @@ def main() -> None:
     parser.add_argument(
         "--live-repeats", type=int, default=3, help="--live: runs at each rate (new seeds)"
     )
+    parser.add_argument(
+        "--long-prefill-tokens",
+        type=int,
+        default=0,
+        help="--live: engine.long_prefill_token_threshold of both layouts (0: off)",
+    )
     args = parser.parse_args()
     if args.live:
         from loadgen.scripts import load_script

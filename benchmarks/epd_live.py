@@ -1,10 +1,13 @@
 """``benchmarks/epd.py --live``: E/P/D against encode-colocated on the tiny cluster.
 
 ``baton serve`` on CPU, 1 encode + 1 prefill + 1 decode worker against 2 prefill + 1
-decode (the prefill workers encode), each served once and loaded at each ``--rate`` in
-turn, ``--live-repeats`` times, with seeded open-loop traces (``benchmarks/epd.py``'s
-workload, shorter and with 336 px images); see that file's docstring. Loaded by its
-``main``, which parses the options; not run on its own.
+decode (the prefill workers encode), the rebalancer off (left on, it flipped the E/P/D
+layout's prefill and decode workers to mixed within its first minute), each served
+once and loaded at each ``--rate`` in turn, ``--live-repeats`` times, with seeded
+open-loop traces (``benchmarks/epd.py``'s workload, shorter and with 336 px images);
+see that file's docstring. ``--long-prefill-tokens`` sets both layouts'
+``engine.long_prefill_token_threshold``. Loaded by its ``main``, which parses the
+options; not run on its own.
 
 The model (``--live-model``): ``costed`` (the default), a random LLaVA built here whose
 CLIP tower costs what a real one does against its language model
@@ -178,15 +181,25 @@ def live_verdict(by_rate: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _serve_args(name: str, layout: dict[str, int], folder: Path, model: str) -> list[str]:
+def _serve_args(
+    name: str, layout: dict[str, int], folder: Path, model: str, long_prefill_tokens: int
+) -> list[str]:
     """``baton serve``'s arguments for ``layout`` serving ``model`` (its config written to
-    ``folder``)."""
+    ``folder``), prompts prefilled in chunks of at most ``long_prefill_tokens`` (0: the
+    step's budget)."""
+    engine = {
+        "device": "cpu",
+        "num_threads": 1,
+        "block_size": 4,
+        "long_prefill_token_threshold": long_prefill_tokens,
+    }
     config = {
         "model": {"name": model},
-        "engine": {"device": "cpu", "num_threads": 1, "block_size": 4},
+        "engine": engine,
         "workers": {"mode": "disaggregated", "mixed": 0, "num_cpus": 0, **layout},
         "kvtransfer": {"backend": "nixl"},
-        "router": {"policy": "slo_goodput"},
+        # The layouts are what is compared: the rebalancer would flip them mid-run.
+        "router": {"policy": "slo_goodput", "rebalance_interval_s": 3600.0},
         "gateway": {"host": "127.0.0.1"},
     }
     path = folder / f"serve-{name}.json"  # JSON is YAML
@@ -220,6 +233,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
         "slo_ms": LIVE_SLO.as_dict(),
         "rates": rates,
         "repeats": repeats,
+        "long_prefill_tokens": args.long_prefill_tokens,
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = args.live_model
@@ -236,7 +250,8 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
 
             tokenizer = load_tokenizer_folder(model)
         for name, layout in LIVE_LAYOUTS.items():
-            proc, url = start_baton(_serve_args(name, layout, Path(tmp), model), timeout_s=300.0)
+            serve = _serve_args(name, layout, Path(tmp), model, args.long_prefill_tokens)
+            proc, url = start_baton(serve, timeout_s=300.0)
             try:
                 rows = [
                     _rate_row(url, rps, runs, tokenizer)

@@ -120,3 +120,15 @@ def test_the_live_verdict_needs_e_p_d_lower_at_every_rate() -> None:
     unbounded = [*rows, {"rate_rps": 6.0, "epd": None, "encode_colocated": None}]
     assert not epd_live.live_verdict(unbounded)["met"]
     assert not epd_live.live_verdict([])["met"]
+
+
+def test_the_live_layouts_are_served_as_they_are_with_the_threshold_given(tmp_path: Path) -> None:
+    # Left on, the rebalancer flipped the E/P/D layout's prefill and decode workers to
+    # mixed within its first minute: the run then compared something else.
+    from services.config import load_config
+
+    args = epd_live._serve_args("epd", epd_live.LIVE_LAYOUTS["epd"], tmp_path, "costed", 256)
+    served = load_config(args[args.index("--config") + 1])
+    assert (served.workers.encode, served.workers.prefill, served.workers.decode) == (1, 1, 1)
+    assert served.router.rebalance_interval_s >= 3600  # no flip within any run
+    assert served.engine.long_prefill_token_threshold == 256
