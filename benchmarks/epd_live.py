@@ -185,8 +185,7 @@ def _serve_args(
     name: str, layout: dict[str, int], folder: Path, model: str, long_prefill_tokens: int
 ) -> list[str]:
     """``baton serve``'s arguments for ``layout`` serving ``model`` (its config written to
-    ``folder``), prompts prefilled in chunks of at most ``long_prefill_tokens`` (0: the
-    step's budget)."""
+    ``folder``), its engines' ``long_prefill_token_threshold`` ``long_prefill_tokens``."""
     engine = {
         "device": "cpu",
         "num_threads": 1,

@@ -56,9 +56,10 @@ class EngineConfig(_Section):
     long_prefill_token_threshold: int = Field(
         0,
         ge=0,
-        description="the most prompt tokens one request prefills in a step (0: the step's "
-        "budget): a long prompt goes in chunks, and a short one that arrives meanwhile "
-        "starts in the next step instead of after it (vLLM's option of the same name)",
+        description="while more than one request is in the engine, the most prompt tokens "
+        "one request prefills in a step (0: the step's budget): a long prompt goes in "
+        "chunks, and a short one that arrives meanwhile starts in the next step instead of "
+        "after it (vLLM's option of the same name)",
     )
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
