@@ -393,6 +393,12 @@ def main() -> None:
         "--live-repeats", type=int, default=3, help="--live: runs at each rate (new seeds)"
     )
     parser.add_argument(
+        "--live-prefill",
+        type=int,
+        default=1,
+        help="--live: E/P/D's prefill workers (encode-colocated gets one more)",
+    )
+    parser.add_argument(
         "--long-prefill-tokens",
         type=int,
         default=0,

@@ -1,7 +1,8 @@
 """``benchmarks/epd.py --live``: E/P/D against encode-colocated on the tiny cluster.
 
 ``baton serve`` on CPU, 1 encode + 1 prefill + 1 decode worker against 2 prefill + 1
-decode (the prefill workers encode), the rebalancer off (left on, it flipped the E/P/D
+decode (the prefill workers encode; ``--live-prefill N``: 1 + N + 1 against N + 1 + 1),
+the rebalancer off (left on, it flipped the E/P/D
 layout's prefill and decode workers to mixed within its first minute), each served
 once and loaded at each ``--rate`` in turn, ``--live-repeats`` times, with seeded
 open-loop traces (``benchmarks/epd.py``'s workload, shorter and with 336 px images);
@@ -45,10 +46,18 @@ _HERE = Path(__file__).resolve().parent
 _epd = load_script(_HERE / "epd.py", "bench_epd")
 
 LIVE_SLO = GoodputSLO(ttft_ms=2000, tpot_ms=200)
-LIVE_LAYOUTS = {
-    "epd": {"encode": 1, "prefill": 1, "decode": 1},
-    "encode_colocated": {"encode": 0, "prefill": 2, "decode": 1},
-}
+LIVE_LAYOUTS = ("epd", "encode_colocated")
+
+
+def live_layouts(num_prefill: int) -> dict[str, dict[str, int]]:
+    """E/P/D with 1 encode, ``num_prefill`` prefill and 1 decode worker against as many
+    workers with the encode worker's place taken by one more prefill worker."""
+    if num_prefill < 1:
+        raise ValueError(f"--live-prefill must be at least 1, got {num_prefill}")
+    return {
+        "epd": {"encode": 1, "prefill": num_prefill, "decode": 1},
+        "encode_colocated": {"encode": 0, "prefill": num_prefill + 1, "decode": 1},
+    }
 
 
 COSTED = "costed"
@@ -233,6 +242,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
         "rates": rates,
         "repeats": repeats,
         "long_prefill_tokens": args.long_prefill_tokens,
+        "layouts": live_layouts(args.live_prefill),
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = args.live_model
@@ -248,7 +258,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
             from loadgen.cli_bench import load_tokenizer_folder
 
             tokenizer = load_tokenizer_folder(model)
-        for name, layout in LIVE_LAYOUTS.items():
+        for name, layout in live_layouts(args.live_prefill).items():
             serve = _serve_args(name, layout, Path(tmp), model, args.long_prefill_tokens)
             proc, url = start_baton(serve, timeout_s=300.0)
             try:

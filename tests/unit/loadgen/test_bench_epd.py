@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from loadgen.metrics import RequestRecord
 from loadgen.scripts import load_script
 
@@ -127,8 +129,17 @@ def test_the_live_layouts_are_served_as_they_are_with_the_threshold_given(tmp_pa
     # mixed within its first minute: the run then compared something else.
     from services.config import load_config
 
-    args = epd_live._serve_args("epd", epd_live.LIVE_LAYOUTS["epd"], tmp_path, "costed", 256)
+    args = epd_live._serve_args("epd", epd_live.live_layouts(1)["epd"], tmp_path, "costed", 256)
     served = load_config(args[args.index("--config") + 1])
     assert (served.workers.encode, served.workers.prefill, served.workers.decode) == (1, 1, 1)
     assert served.router.rebalance_interval_s >= 3600  # no flip within any run
     assert served.engine.long_prefill_token_threshold == 256
+
+
+def test_both_live_layouts_have_as_many_workers_and_one_decode_worker() -> None:
+    layouts = epd_live.live_layouts(2)
+    assert layouts["epd"] == {"encode": 1, "prefill": 2, "decode": 1}
+    assert layouts["encode_colocated"] == {"encode": 0, "prefill": 3, "decode": 1}
+    assert set(layouts) == set(epd_live.LIVE_LAYOUTS)
+    with pytest.raises(ValueError, match="--live-prefill"):
+        epd_live.live_layouts(0)
