@@ -25,7 +25,34 @@ from services.config import EngineConfig, ModelConfig
 from services.engine.messages import ModelLoadError
 from services.engine.placeholders import read_image_prompt_spec
 
-__all__ = ["make_vllm_engine"]
+__all__ = ["make_vllm_engine", "vllm_engine_args"]
+
+
+def vllm_engine_args(
+    model_cfg: ModelConfig, engine_cfg: EngineConfig, *, on_cpu: bool, takes_embeddings: bool
+) -> dict[str, Any]:
+    """vLLM's ``EngineArgs`` keywords for Baton's config: the model, the engine settings
+    the two engines share (``long_prefill_token_threshold`` included), then
+    ``engine.vllm``'s options (checked), which override them. ``takes_embeddings``: a
+    LLaVA served from encode workers' embeddings as they are."""
+    options = dict(engine_cfg.vllm)
+    check_vllm_options(options)
+    args: dict[str, Any] = {
+        "model": model_cfg.name,
+        "seed": model_cfg.seed,
+        "dtype": model_cfg.dtype,
+        "max_model_len": engine_cfg.max_model_len,
+        "max_num_seqs": engine_cfg.max_num_seqs,
+        "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
+        "long_prefill_token_threshold": engine_cfg.long_prefill_token_threshold,
+        "enable_prefix_caching": engine_cfg.enable_prefix_caching,
+    }  # block size: vLLM's default for the platform (CPU attention needs a multiple of 32)
+    if on_cpu:
+        args["kv_cache_memory_bytes"] = engine_cfg.kv_cache_bytes
+    if takes_embeddings:  # LLaVA: take encode workers' embeddings as they are
+        args["enable_mm_embeds"] = True
+    args.update(options)
+    return args
 
 
 def make_vllm_engine(
@@ -48,30 +75,18 @@ def make_vllm_engine(
             f"the vllm backend loads a local model folder; {model_cfg.name!r} is not one "
             "(the built-in 'tiny' model is the embedded engine's)"
         )
-    options = dict(engine_cfg.vllm)
-    check_vllm_options(options)
+    on_cpu = engine_cfg.device == "cpu" or (
+        engine_cfg.device == "auto" and not torch.cuda.is_available()
+    )
+    image_spec = read_image_prompt_spec(model_cfg.name)
+    args = vllm_engine_args(
+        model_cfg, engine_cfg, on_cpu=on_cpu, takes_embeddings=image_spec is not None
+    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     allow_llava_without_torchvision()
 
-    on_cpu = engine_cfg.device == "cpu" or (
-        engine_cfg.device == "auto" and not torch.cuda.is_available()
-    )
-    args: dict[str, Any] = {
-        "dtype": model_cfg.dtype,
-        "max_model_len": engine_cfg.max_model_len,
-        "max_num_seqs": engine_cfg.max_num_seqs,
-        "max_num_batched_tokens": engine_cfg.max_num_batched_tokens,
-        "long_prefill_token_threshold": engine_cfg.long_prefill_token_threshold,
-        "enable_prefix_caching": engine_cfg.enable_prefix_caching,
-    }  # block size: vLLM's default for the platform (CPU attention needs a multiple of 32)
-    if on_cpu:
-        args["kv_cache_memory_bytes"] = engine_cfg.kv_cache_bytes
-    image_spec = read_image_prompt_spec(model_cfg.name)
-    if image_spec is not None:  # LLaVA: take encode workers' embeddings as they are
-        args["enable_mm_embeds"] = True
-    args.update(options)
     if kv_lease_s is not None:
         from vllm.config import KVTransferConfig
 
@@ -87,7 +102,7 @@ def make_vllm_engine(
             kv_load_failure_policy="recompute",
         )
     name = model_cfg.served_model_name or model_cfg.name
-    engine_args = EngineArgs(model=model_cfg.name, seed=model_cfg.seed, **args)
+    engine_args = EngineArgs(**args)
     try:
         llm = LLMEngine.from_engine_args(engine_args)
     except (ValueError, RuntimeError) as e:
