@@ -188,7 +188,6 @@ def queue_wait_s(
     length_class: LengthClass,
     mode: SplitMode,
     budget_tokens: int = 0,
-    long_prefill_tokens: int = 0,
 ) -> float:
     """Predicted time before a new request of ``length_class`` starts prefilling.
 
@@ -200,18 +199,8 @@ def queue_wait_s(
     own step, which over-prices a queue of short prompts by up to ``k`` times ``a``.
     (``s = min(k, ⌈T / budget⌉)`` priced a chunked queue of long prompts as one step
     each: on a mixed worker, whose budget is 512 tokens less its running sequences,
-    three queued 2250-token prompts took 19 steps of ~12 ms where 3 were priced.)
-
-    With the engine's long-prefill threshold ``long_prefill_tokens`` (``t``; 0: off),
-    no queued request computes more than ``t`` tokens in a step while another waits,
-    so when the requests ahead take less than the budget in one step at most
-    (``F < budget``, ``F`` the sum over the classes ahead of ``min(T, k·t)``) a new
-    request starts in the next step, beside their chunks: the wait is that one step,
-    ``a + b·F + c·F²/k``. Otherwise the whole queue is priced as above (an upper
-    bound)."""
-    short_s, long_s = queue_waits_s(
-        coeffs, queued_tokens, queued_requests, mode, budget_tokens, long_prefill_tokens
-    )
+    three queued 2250-token prompts took 19 steps of ~12 ms where 3 were priced.)"""
+    short_s, long_s = queue_waits_s(coeffs, queued_tokens, queued_requests, mode, budget_tokens)
     return short_s if length_class is LengthClass.SHORT else long_s
 
 
@@ -221,7 +210,6 @@ def queue_waits_s(
     queued_requests: Mapping[LengthClass, int],
     mode: SplitMode,
     budget_tokens: int = 0,
-    long_prefill_tokens: int = 0,
 ) -> tuple[float, float]:
     """``queue_wait_s`` of a SHORT and of a LONG request, each class's queue priced once
     (a worker's row needs both)."""
@@ -232,15 +220,6 @@ def queue_waits_s(
     long_s = short_s + _class_queue_s(
         coeffs, queued_tokens, queued_requests, LengthClass.LONG, budget_tokens
     )
-    if long_prefill_tokens > 0 and budget_tokens > 0:
-        classes = (LengthClass.SHORT, LengthClass.LONG)
-        first, count = [0, 0], [0, 0]  # each class's first chunks, and its requests
-        for i, cls in enumerate(classes):
-            tokens = queued_tokens.get(cls, 0)
-            count[i] = max(queued_requests.get(cls, 1), 1) if tokens > 0 else 0
-            first[i] = min(tokens, count[i] * long_prefill_tokens)
-        short_s = min(short_s, _one_step_s(coeffs, first[0], count[0], budget_tokens))
-        long_s = min(long_s, _one_step_s(coeffs, sum(first), sum(count), budget_tokens))
     return (long_s if mode is SplitMode.SPATIAL else short_s), long_s
 
 
@@ -258,17 +237,6 @@ def _class_queue_s(
     count = max(queued_requests.get(length_class, 1), 1)
     steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
     return steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
-
-
-def _one_step_s(coeffs: QuadCoeffs, first: int, count: int, budget_tokens: int) -> float:
-    """The wait behind ``count`` queued requests whose first chunks (each at most the
-    threshold) are ``first`` tokens in all: one step, if they leave room in the budget;
-    else infinity."""
-    if first <= 0:
-        return 0.0
-    if first >= budget_tokens:
-        return math.inf
-    return coeffs.a + coeffs.b * first + coeffs.c * first * first / max(count, 1)
 
 
 def prefill_curve(

@@ -114,8 +114,6 @@ class WorkerView:
     max_num_seqs: int = 256
     draining: bool = False
     prefill_budget_tokens: int = 0  # tokens one engine step prefills at most; 0: unknown
-    # Tokens a request computes in a step while another is in the engine; 0: no limit.
-    long_prefill_tokens: int = 0
     inbound_tokens: int = 0  # KV of requests placed to decode here, not yet running here
 
 
@@ -213,5 +211,3 @@ class WorkerReport(Protocol):
     def prefix_digest(self) -> tuple[int, ...]: ...
     @property
     def prefill_budget_tokens(self) -> int: ...
-    @property
-    def long_prefill_tokens(self) -> int: ...

@@ -275,8 +275,6 @@ class EngineStats:
     # recently cached last: the router's prefix digest of this engine.
     cached_block_hashes: tuple[int, ...] = ()
     max_num_batched_tokens: int = 0  # the step's token budget; 0: unknown
-    # Tokens a request computes in a step while another is in the engine; 0: off.
-    long_prefill_token_threshold: int = 0
     num_images_encoded: int = 0  # cumulative: images this engine ran its encoder on
     num_image_cache_hits: int = 0  # cumulative: images served from the encoder-output cache
     kernels: str = ""  # the model's CPU kernels (cpu_kernels.py): "cpp", or "torch" ops

@@ -75,7 +75,6 @@ def test_long_prompts_prefilled_in_threshold_chunks_equal_hf(oracle: Any) -> Non
     ckpt, expected = oracle("llama")
     prompts = make_prompts(ckpt.model.config.vocab_size)
     engine = make_engine(ckpt.folder, block_size=BLOCK_SIZE, long_prefill_token_threshold=8)
-    assert engine.stats().long_prefill_token_threshold == 8  # reported: the router prices it
     for r in requests(prompts):
         engine.add_request(r)
     got: dict[str, list[int]] = {}

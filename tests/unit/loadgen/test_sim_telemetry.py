@@ -29,13 +29,11 @@ class _RecordingRouter(Router):
         super().update(report)
 
 
-def _run(long_prefill_tokens: int = 0) -> tuple[SimCluster, _RecordingRouter]:
+def _run() -> tuple[SimCluster, _RecordingRouter]:
     profile = load_profile()
     router = _RecordingRouter(RouterSettings(profile=profile))
     roles = [Role.PREFILL, Role.PREFILL, Role.DECODE, Role.DECODE]
-    cluster = SimCluster(
-        profile, router, roles, SLO(2.0, 0.2), long_prefill_tokens=long_prefill_tokens
-    )
+    cluster = SimCluster(profile, router, roles, SLO(2.0, 0.2))
     workload = WorkloadConfig(
         input_len="lognormal:mean=300,sigma=1.0",
         output_len="lognormal:mean=60,sigma=1.0",
@@ -56,7 +54,6 @@ def _state(r: SimReport) -> tuple[object, ...]:
         r.role,
         r.draining,
         r.prefill_budget_tokens,
-        r.long_prefill_tokens,
     )
 
 
@@ -70,13 +67,6 @@ def test_a_worker_never_sends_the_router_what_it_already_has() -> None:
             assert report.seq > before.seq
             assert _state(report) != _state(before), report.worker_id
         last[report.worker_id] = report
-
-
-def test_each_report_carries_the_engines_long_prefill_threshold() -> None:
-    # The router prices a prompt queued behind long ones by it (router.length).
-    cluster, router = _run(long_prefill_tokens=64)
-    assert len(cluster.records) == 300
-    assert router.reports and {r.long_prefill_tokens for r in router.reports} == {64}
 
 
 class _ReportLog(SimCluster):

@@ -28,8 +28,6 @@ def snapshot(
     waiting: tuple[int, ...] = (),
     running: tuple[RunningRequest, ...] = (),
     prefix_digest: tuple[int, ...] = (),
-    budget: int = 0,
-    long_prefill_tokens: int = 0,
 ) -> WorkerSnapshot:
     return WorkerSnapshot(
         worker_id=worker_id,
@@ -53,8 +51,6 @@ def snapshot(
         max_num_seqs=64,
         max_model_len=4096,
         prefix_digest=prefix_digest,
-        prefill_budget_tokens=budget,
-        long_prefill_tokens=long_prefill_tokens,
     )
 
 
@@ -376,24 +372,3 @@ def test_a_fan_out_of_short_prompts_fits_one_idle_colocated_worker() -> None:
     r.update(replace(snapshot("m", Role.MIXED), max_num_seqs=64, prefill_budget_tokens=2048))
     plans = [r.place(request(f"s{i}", prompt=3), 0.0) for i in range(64)]
     assert all(isinstance(p, Plan) and p.prefill_worker == "m" for p in plans)
-
-
-@pytest.mark.parametrize("split", ["spatial", "temporal"])
-def test_a_short_prompt_behind_a_long_one_is_priced_by_the_workers_threshold(split: str) -> None:
-    # 3000 tokens queued on the prefill worker, 512-token steps: whole, six steps
-    # (0.06 + 0.3 s); with a 100-token threshold the new prompt starts in the next
-    # step, beside the long one's first 100 tokens (0.01 + 0.01 s).
-    def predicted(threshold: int) -> float:
-        r = router(length_split=split)
-        r.update(snapshot("p", Role.PREFILL, 2, waiting=(3000,), budget=512,
-                          long_prefill_tokens=threshold))  # fmt: skip
-        plan = r.place(request("a", prompt=100), 0.0)
-        assert isinstance(plan, Plan) and plan.predicted_ttft_s is not None
-        return plan.predicted_ttft_s
-
-    whole, capped = predicted(0), predicted(100)
-    if split == "temporal":  # a SHORT prompt never waits behind the LONG queue
-        assert capped == pytest.approx(whole)
-    else:
-        assert whole - capped == pytest.approx((0.06 + 0.3) - (0.01 + 0.01))
-        assert capped == pytest.approx(0.02 + (0.01 + 1e-4 * 100) + (100 * 1e5 / 1e9 + 0.001))

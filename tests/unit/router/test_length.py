@@ -191,39 +191,3 @@ def test_a_class_still_coming_is_seldom_judged_gone() -> None:
             arrived_gone += cls.present_request_shares[1] == 0.0
         cls.observe(1800 if long else 100)
     assert 0 < arrived_gone / arrivals < 0.02
-
-
-def test_with_the_long_prefill_threshold_a_request_waits_one_step_behind_long_prompts() -> None:
-    # One 8000-token prompt queued: whole, it takes 16 steps of a 512-token budget; with
-    # a 100-token threshold it computes 100 tokens a step while another waits, so a new
-    # request starts in the next step, beside that chunk.
-    q = FLAT_THEN_LINEAR
-    tokens = {LengthClass.SHORT: 0, LengthClass.LONG: 8000}
-    counts = {LengthClass.SHORT: 0, LengthClass.LONG: 1}
-    spatial = SplitMode.SPATIAL
-    whole = queue_wait_s(q, tokens, counts, LengthClass.SHORT, spatial, 512)
-    assert whole == pytest.approx(16 * q.a + q.b * 8000 + q.c * 8000**2)
-    capped = queue_wait_s(q, tokens, counts, LengthClass.SHORT, spatial, 512, 100)
-    assert capped == pytest.approx(q.a + q.b * 100 + q.c * 100**2)
-    # Two short prompts ahead take 40 tokens each, under the threshold: one step of 80.
-    both = {LengthClass.SHORT: 80, LengthClass.LONG: 8000}
-    two = {LengthClass.SHORT: 2, LengthClass.LONG: 1}
-    first = 80 + 100
-    assert queue_wait_s(q, both, two, LengthClass.LONG, spatial, 512, 100) == pytest.approx(
-        q.a + q.b * first + q.c * first**2 / 3
-    )
-    # Temporal: a SHORT request waits behind the SHORT queue only, as before.
-    assert queue_wait_s(
-        q, both, two, LengthClass.SHORT, SplitMode.TEMPORAL, 512, 100
-    ) == pytest.approx(q.a + q.b * 80 + q.c * 80**2 / 2)
-    # Six long prompts' chunks (600 tokens) fill the 512-token step: the new request
-    # waits for the queue to drain, priced whole as without a threshold.
-    six = {LengthClass.SHORT: 0, LengthClass.LONG: 6}
-    many = {LengthClass.SHORT: 0, LengthClass.LONG: 6000}
-    assert queue_wait_s(q, many, six, LengthClass.SHORT, spatial, 512, 100) == pytest.approx(
-        queue_wait_s(q, many, six, LengthClass.SHORT, spatial, 512)
-    )
-    # No known budget: nothing is assumed about how the engine fills a step.
-    assert queue_wait_s(q, tokens, counts, LengthClass.SHORT, spatial, 0, 100) == pytest.approx(
-        queue_wait_s(q, tokens, counts, LengthClass.SHORT, spatial)
-    )

@@ -89,10 +89,8 @@ def _reference_fill_row(t: WorkerTable, i: int, w: WorkerView) -> None:
     t.pa[i], t.pb[i], t.pc[i] = coeffs.a * p_margin, coeffs.b * p_margin, coeffs.c * p_margin
     mode = s.split_mode
     queued, counts, q = w.queued_tokens, w.queued_requests, queue_coeffs
-    cap = w.long_prefill_tokens
-    short_s = queue_wait_s(q, queued, counts, LengthClass.SHORT, mode, budget, cap)
-    long_s = queue_wait_s(q, queued, counts, LengthClass.LONG, mode, budget, cap)
-    t.wait_short_s[i], t.wait_long_s[i] = short_s * p_margin, long_s * p_margin
+    t.wait_short_s[i] = queue_wait_s(q, queued, counts, LengthClass.SHORT, mode, budget) * p_margin
+    t.wait_long_s[i] = queue_wait_s(q, queued, counts, LengthClass.LONG, mode, budget) * p_margin
     num_running = len(w.running)
     dec = model.decode_coeffs
     d_margin = 1.0 + (model.decode_error if s.use_error_margin else 0.0)
@@ -242,7 +240,6 @@ def _snapshot(
         max_model_len=32768,
         prefix_digest=(),
         prefill_budget_tokens=rng.choice((0, 512, 2048)),
-        long_prefill_tokens=rng.choice((0, 64, 1024)),
     )
 
 
