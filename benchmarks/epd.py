@@ -399,12 +399,6 @@ def main() -> None:
         help="--live: E/P/D's prefill workers (encode-colocated gets one more)",
     )
     parser.add_argument(
-        "--encode-nice",
-        type=int,
-        default=None,
-        help="--live: workers.encode_nice of both layouts (only E/P/D has encode engines)",
-    )
-    parser.add_argument(
         "--long-prefill-tokens",
         type=int,
         default=0,

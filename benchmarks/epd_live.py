@@ -7,9 +7,7 @@ layout's prefill and decode workers to mixed within its first minute), each serv
 once and loaded at each ``--rate`` in turn, ``--live-repeats`` times, with seeded
 open-loop traces (``benchmarks/epd.py``'s workload, shorter and with 336 px images);
 see that file's docstring. ``--long-prefill-tokens`` sets both layouts'
-``engine.long_prefill_token_threshold``; ``--encode-nice`` both layouts'
-``workers.encode_nice`` (only E/P/D has encode engines: encode-colocated's prefill
-engines encode at the prefill value). Loaded by its ``main``, which parses the
+``engine.long_prefill_token_threshold``. Loaded by its ``main``, which parses the
 options; not run on its own.
 
 The model (``--live-model``): ``costed`` (the default), a random LLaVA built here whose
@@ -193,16 +191,10 @@ def live_verdict(by_rate: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _serve_args(
-    name: str,
-    layout: dict[str, int],
-    folder: Path,
-    model: str,
-    long_prefill_tokens: int,
-    encode_nice: int | None = None,
+    name: str, layout: dict[str, int], folder: Path, model: str, long_prefill_tokens: int
 ) -> list[str]:
     """``baton serve``'s arguments for ``layout`` serving ``model`` (its config written to
-    ``folder``), its engines' ``long_prefill_token_threshold`` ``long_prefill_tokens``,
-    its encode engines at ``workers.encode_nice`` ``encode_nice``."""
+    ``folder``), its engines' ``long_prefill_token_threshold`` ``long_prefill_tokens``."""
     engine = {
         "device": "cpu",
         "num_threads": 1,
@@ -212,13 +204,7 @@ def _serve_args(
     config = {
         "model": {"name": model},
         "engine": engine,
-        "workers": {
-            "mode": "disaggregated",
-            "mixed": 0,
-            "num_cpus": 0,
-            "encode_nice": encode_nice,
-            **layout,
-        },
+        "workers": {"mode": "disaggregated", "mixed": 0, "num_cpus": 0, **layout},
         "kvtransfer": {"backend": "nixl"},
         # The layouts are what is compared: the rebalancer would flip them mid-run.
         "router": {"policy": "slo_goodput", "rebalance_interval_s": 3600.0},
@@ -257,7 +243,6 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": repeats,
         "long_prefill_tokens": args.long_prefill_tokens,
         "layouts": live_layouts(args.live_prefill),
-        "encode_nice": args.encode_nice,
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = args.live_model
@@ -274,9 +259,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
 
             tokenizer = load_tokenizer_folder(model)
         for name, layout in live_layouts(args.live_prefill).items():
-            serve = _serve_args(
-                name, layout, Path(tmp), model, args.long_prefill_tokens, args.encode_nice
-            )
+            serve = _serve_args(name, layout, Path(tmp), model, args.long_prefill_tokens)
             proc, url = start_baton(serve, timeout_s=300.0)
             try:
                 rows = [

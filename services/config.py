@@ -118,14 +118,6 @@ class WorkersConfig(_Section):
         "prompt's prefill step keeps its speed when decode batches share its cores (a role "
         "flip moves the engine to its new role's value; lowering it needs CAP_SYS_NICE)",
     )
-    encode_nice: int | None = Field(
-        None,
-        ge=0,
-        le=19,
-        description="the same for encode engines (None: prefill_nice); above prefill_nice, "
-        "where encode and prefill engines share cores, an image burst's encodes take them "
-        "only when prefill steps leave them idle, as an encoder on its own GPU would",
-    )
 
     @model_validator(mode="after")
     def _has_workers(self) -> WorkersConfig:

@@ -64,7 +64,6 @@ def worker_specs(
             fixed_role=role is Role.ENCODE and encoder is not engine_factory,
             nice=w.nice,
             prefill_nice=w.prefill_nice,
-            encode_nice=w.encode_nice,
             telemetry_interval_s=w.telemetry_interval_s,
             max_num_seqs=config.engine.max_num_seqs,
             num_gpus=gpus_per_worker(config, role, cluster_has_gpus=cluster_has_gpus),

@@ -104,14 +104,12 @@ class EngineLoop:
         max_num_seqs: int = 256,
         nice: int = 0,
         prefill_nice: int | None = None,
-        encode_nice: int | None = None,
     ) -> None:
         self._worker_id = worker_id
         self._role_state = role_state
-        # None: prefill engines run at the same nice value as the others, and encode
-        # engines at prefill's.
+        # None: prefill engines run at the same nice value as the others.
         self._priority = RolePriority(
-            worker_id, nice, nice if prefill_nice is None else prefill_nice, encode_nice
+            worker_id, nice, nice if prefill_nice is None else prefill_nice
         )
         self._engine = engine
         self._connector = connector

@@ -1,5 +1,4 @@
-"""The engine thread's CPU priority, by role (``workers.nice``, ``workers.prefill_nice``,
-``workers.encode_nice``).
+"""The engine thread's CPU priority, by role (``workers.nice``, ``workers.prefill_nice``).
 
 On a CPU host the engines share cores with each other and with the gateway. A
 prompt's first token comes when the step that prefills it ends, and admission
@@ -7,9 +6,6 @@ prices that step from the prefill worker's recent speed; when decode batches tak
 the shared cores, prefill steps slow 2-4x from one step to the next and the prompts
 admitted into a slow step miss their TTFT together. So prefill (and encode, which a
 prefill waits on) engines can run at a lower nice value than decode and mixed ones.
-Encode engines can also run at their own value: above prefill's, a burst of images
-encodes on the cores the prefill steps leave idle, so a text prompt's step keeps its
-speed (what an encoder on its own GPU gives), at the cost of the images' first tokens.
 
 Linux keeps a nice value per thread: the engine loop's thread sets its own (torch
 runs a worker's ops on it with ``engine.num_threads: 1``), and the worker's
@@ -28,24 +24,22 @@ import threading
 
 from router.types import Role
 
-__all__ = ["RolePriority"]
+__all__ = ["FIRST_TOKEN_ROLES", "RolePriority"]
 
 log = logging.getLogger(__name__)
+
+# Roles whose steps a prompt's first token waits on, and nothing else's.
+FIRST_TOKEN_ROLES = (Role.PREFILL, Role.ENCODE)
 
 
 class RolePriority:
     """Called from the engine thread only: ``follow(role)`` at start and after every
-    role change sets the thread's nice value to its value at start plus ``nice``, plus
-    ``prefill_nice`` for prefill, or plus ``encode_nice`` (None: ``prefill_nice``) for
-    encode (capped at 19)."""
+    role change sets the thread's nice value to its value at start plus ``nice``, or
+    plus ``prefill_nice`` for prefill and encode (capped at 19)."""
 
-    def __init__(
-        self, worker_id: str, nice: int, prefill_nice: int, encode_nice: int | None = None
-    ) -> None:
+    def __init__(self, worker_id: str, nice: int, prefill_nice: int) -> None:
         self._worker_id = worker_id
-        encode = prefill_nice if encode_nice is None else encode_nice
-        self._offsets = {Role.PREFILL: prefill_nice, Role.ENCODE: encode}
-        self._nice = nice
+        self._offsets = (nice, prefill_nice)
         self._base: int | None = None  # the thread's nice value before the first change
         self._thread_id = 0
         self._role: Role | None = None
@@ -55,12 +49,13 @@ class RolePriority:
         if role is self._role:
             return
         self._role = role
-        if not (self._nice or any(self._offsets.values())):
+        nice, prefill_nice = self._offsets
+        if not (nice or prefill_nice):
             return  # nothing to set: the thread keeps what it inherited
         if self._base is None:
             self._thread_id = threading.get_native_id()
             self._base = os.getpriority(os.PRIO_PROCESS, self._thread_id)
-        offset = self._offsets.get(role, self._nice)
+        offset = prefill_nice if role in FIRST_TOKEN_ROLES else nice
         target = min(19, self._base + offset)
         try:
             os.setpriority(os.PRIO_PROCESS, self._thread_id, target)

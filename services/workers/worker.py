@@ -78,8 +78,6 @@ class WorkerSpec:
     nice: int = 0  # added to the nice value of the engine's threads (workers.nice)
     # The same for prefill and encode engines (workers.prefill_nice; None: ``nice``).
     prefill_nice: int | None = None
-    # The same for encode engines (workers.encode_nice; None: ``prefill_nice``).
-    encode_nice: int | None = None
 
 
 class Worker:
@@ -114,7 +112,6 @@ class Worker:
             max_num_seqs=spec.max_num_seqs,
             nice=spec.nice,
             prefill_nice=spec.prefill_nice,
-            encode_nice=spec.encode_nice,
         )
         self._loop.start()
 

@@ -129,13 +129,11 @@ def test_the_live_layouts_are_served_as_they_are_with_the_threshold_given(tmp_pa
     # mixed within its first minute: the run then compared something else.
     from services.config import load_config
 
-    layout = epd_live.live_layouts(1)["epd"]
-    args = epd_live._serve_args("epd", layout, tmp_path, "costed", 256, encode_nice=7)
+    args = epd_live._serve_args("epd", epd_live.live_layouts(1)["epd"], tmp_path, "costed", 256)
     served = load_config(args[args.index("--config") + 1])
     assert (served.workers.encode, served.workers.prefill, served.workers.decode) == (1, 1, 1)
     assert served.router.rebalance_interval_s >= 3600  # no flip within any run
     assert served.engine.long_prefill_token_threshold == 256
-    assert served.workers.encode_nice == 7 and served.workers.prefill_nice is None
 
 
 def test_both_live_layouts_have_as_many_workers_and_one_decode_worker() -> None:

@@ -43,25 +43,3 @@ def test_without_nice_values_the_thread_is_left_alone(monkeypatch: pytest.Monkey
     p = RolePriority("w", nice=0, prefill_nice=0)
     for role in (Role.PREFILL, Role.DECODE, Role.PREFILL):
         p.follow(role)
-
-
-def test_encode_engines_run_at_encode_nice_else_at_prefill_nice(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    asked: list[int] = []
-    monkeypatch.setattr(priority.os, "setpriority", lambda _w, _t, value: asked.append(value))
-    p = RolePriority("w", nice=6, prefill_nice=2, encode_nice=12)
-    for role in (Role.ENCODE, Role.PREFILL, Role.ENCODE, Role.MIXED):
-        p.follow(role)
-    assert asked == [min(19, base + n) for n in (12, 2, 12, 6)]
-    asked.clear()
-    q = RolePriority("w", nice=6, prefill_nice=2)  # no encode_nice: prefill's
-    for role in (Role.ENCODE, Role.DECODE):
-        q.follow(role)
-    assert asked == [min(19, base + n) for n in (2, 6)]
-    asked.clear()
-    r = RolePriority("w", nice=0, prefill_nice=0, encode_nice=9)  # only encode moves
-    for role in (Role.PREFILL, Role.ENCODE):
-        r.follow(role)
-    assert asked == [base, min(19, base + 9)]

@@ -283,19 +283,3 @@ async def test_prefill_engines_run_at_prefill_nice_and_a_role_flip_moves_the_thr
     assert os.getpriority(os.PRIO_PROCESS, 0) == own  # the worker's own thread is untouched
     events = [e async for e in w.generate(Generate(request("p", max_tokens=1)))]
     assert events[-1].finish_reason is FinishReason.LENGTH  # and it serves
-
-
-async def test_an_encode_engine_runs_at_encode_nice(worker) -> None:  # type: ignore[no-untyped-def]
-    """``workers.encode_nice`` reaches the encode worker's engine thread (raising a nice
-    value needs no privilege)."""
-    import os
-
-    own = os.getpriority(os.PRIO_PROCESS, 0)
-    w = worker(role=Role.ENCODE, nice=1, prefill_nice=2, encode_nice=9)
-    await asyncio.sleep(0.05)  # the loop has started
-    tid = w._loop._thread.native_id
-    for _ in range(100):
-        if os.getpriority(os.PRIO_PROCESS, tid) == own + 9:
-            break
-        await asyncio.sleep(0.01)
-    assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, own + 9)
