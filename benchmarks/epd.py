@@ -405,6 +405,8 @@ def main() -> None:
         help="--live: engine.long_prefill_token_threshold of both layouts (0: off)",
     )
     args = parser.parse_args()
+    if args.live_prefill < 1:
+        parser.error(f"--live-prefill must be at least 1, got {args.live_prefill}")
     if args.live:
         from loadgen.scripts import load_script
 

@@ -2,13 +2,12 @@
 
 ``baton serve`` on CPU, 1 encode + 1 prefill + 1 decode worker against 2 prefill + 1
 decode (the prefill workers encode; ``--live-prefill N``: 1 + N + 1 against N + 1 + 1),
-the rebalancer off (left on, it flipped the E/P/D
-layout's prefill and decode workers to mixed within its first minute), each served
-once and loaded at each ``--rate`` in turn, ``--live-repeats`` times, with seeded
-open-loop traces (``benchmarks/epd.py``'s workload, shorter and with 336 px images);
-see that file's docstring. ``--long-prefill-tokens`` sets both layouts'
-``engine.long_prefill_token_threshold``. Loaded by its ``main``, which parses the
-options; not run on its own.
+the rebalancer off (left on, it flipped the E/P/D layout's prefill and decode workers
+to mixed within its first minute), each served once and loaded at each ``--rate`` in
+turn, ``--live-repeats`` times, with seeded open-loop traces (``benchmarks/epd.py``'s
+workload, shorter and with 336 px images); see that file's docstring.
+``--long-prefill-tokens`` sets both layouts' ``engine.long_prefill_token_threshold``.
+Loaded by its ``main``, which parses the options; not run on its own.
 
 The model (``--live-model``): ``costed`` (the default), a random LLaVA built here whose
 CLIP tower costs what a real one does against its language model
