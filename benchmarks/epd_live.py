@@ -161,18 +161,19 @@ def p90_or_none(records: Sequence[RequestRecord]) -> float | None:
     token counts as unbounded: None when more than a tenth had none (or there are none)."""
     if not records:
         return None
-    ttfts = sorted(
-        r.ttft_s * 1e3 if r.success and r.ttft_s is not None else math.inf for r in records
-    )
-    p90 = ttfts[math.ceil(0.9 * len(ttfts)) - 1]
+    ttfts = sorted(math.inf if v is None else v for v in ttfts_ms(records))
+    p90 = ttfts[_p90_rank(len(ttfts))]
     return None if math.isinf(p90) else p90
 
 
 def ttfts_ms(records: Sequence[RequestRecord]) -> list[float | None]:
     """Each request's TTFT in ms, None where it got no first token."""
-    return [
-        round(r.ttft_s * 1e3, 2) if r.success and r.ttft_s is not None else None for r in records
-    ]
+    return [r.ttft_s * 1e3 if r.success and r.ttft_s is not None else None for r in records]
+
+
+def _p90_rank(n: int) -> int:
+    """The index of the p90 among ``n`` sorted values (nearest rank)."""
+    return math.ceil(0.9 * n) - 1
 
 
 def p90_difference_interval(
@@ -192,7 +193,7 @@ def p90_difference_interval(
     def p90s(values: Sequence[float | None]) -> np.ndarray:
         x = np.array([math.inf if v is None else v for v in values])
         drawn = np.sort(x[rng.integers(0, len(x), (draws, len(x)))], axis=1)
-        column: np.ndarray = drawn[:, math.ceil(0.9 * len(x)) - 1]
+        column: np.ndarray = drawn[:, _p90_rank(len(x))]
         return column
 
     a, b = p90s(epd), p90s(colocated)
@@ -286,13 +287,14 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
         ]
         for i in range(len(rates))
     ]
+    layouts = live_layouts(args.live_prefill)
     out: dict[str, Any] = {
         "model": args.live_model,
         "slo_ms": LIVE_SLO.as_dict(),
         "rates": rates,
         "repeats": repeats,
         "long_prefill_tokens": args.long_prefill_tokens,
-        "layouts": live_layouts(args.live_prefill),
+        "layouts": layouts,
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = args.live_model
@@ -308,7 +310,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
             from loadgen.cli_bench import load_tokenizer_folder
 
             tokenizer = load_tokenizer_folder(model)
-        for name, layout in live_layouts(args.live_prefill).items():
+        for name, layout in layouts.items():
             serve = _serve_args(name, layout, Path(tmp), model, args.long_prefill_tokens)
             proc, url = start_baton(serve, timeout_s=300.0)
             try:
