@@ -7,14 +7,13 @@ token budget (``max_num_batched_tokens``) and, where set, by the long-prefill th
 engine, none computes more tokens than that in one step, so a long prompt is prefilled
 in chunks and a short one that arrives meanwhile runs in the next step, not after the
 whole long prompt; a request alone has nobody to wait for it and takes the whole
-budget). Running requests are served oldest
-first; when the pool cannot grow for one of them, the NEWEST running request is
-preempted: its blocks are freed and it goes back to the front of the waiting
-queue, to be recomputed (prompt + generated so far) when it is admitted again.
-Waiting requests are admitted in arrival order while there are sequence slots,
-budget, blocks and the ``AdmissionPolicy`` agrees; the first refusal stops the
-scan (no overtaking). Adopted requests (KV filled from elsewhere) already hold
-their blocks and are admitted before waiting ones.
+budget). Running requests are served oldest first; when the pool cannot grow for one
+of them, the NEWEST running request is preempted: its blocks are freed and it goes
+back to the front of the waiting queue, to be recomputed (prompt + generated so far)
+when it is admitted again. Waiting requests are admitted in arrival order while there
+are sequence slots, budget, blocks and the ``AdmissionPolicy`` agrees; the first
+refusal stops the scan (no overtaking). Adopted requests (KV filled from elsewhere)
+already hold their blocks and are admitted before waiting ones.
 """
 
 from __future__ import annotations
