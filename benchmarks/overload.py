@@ -3,7 +3,8 @@ saturation rate, then offered 2x and 3x that rate (loadgen/overload.py).
 
     python benchmarks/overload.py [--model medium|small|tiny|DIR] [--policy slo_goodput]
         [--rates auto|4,8,12,16] [--start-rate auto|1] [--duration 30] [--over-duration S]
-        [--warm-up-rate 1] [--warm-up-s 10] [--slo-scale auto] [--rebalance]
+        [--refine-steps 2] [--warm-up-rate 1] [--warm-up-s 10] [--slo-scale auto]
+        [--rebalance]
 
 One JSON object per line: each run's row, then a summary with each factor's goodput as
 a fraction of the peak (target: >= 0.9) and its slowest refusal (target: < 50 ms on
@@ -16,7 +17,8 @@ built in a temporary folder: its workers' compute, not the gateway's and the loa
 generator's per-request HTTP work, sets the saturation rate (about 9 req/s on 2 AVX-512
 cores; 2-3 req/s on 2 AVX2 cores), as on GPUs. ``--rates auto`` (the default) climbs
 from ``--start-rate`` by 1.5x a run until one run is past saturation, so the sweep
-finds the knee of whatever machine it runs on. ``--start-rate auto`` (the default)
+finds the knee of whatever machine it runs on, and ``--refine-steps`` runs narrow it
+between the last rate served and the next. ``--start-rate auto`` (the default)
 starts at ``AUTO_START_RPS`` divided by the host's slowdown (the one the SLO is scaled
 by): about 45% of the saturation rate, on any host, so the sweep spends no run far
 below the knee (from 1 req/s on the reference host it ran 1, 1.5 and 2.25 req/s first,
@@ -137,6 +139,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
             duration_s=args.duration,
             over_duration_s=args.over_duration,
             repeats=args.repeats,
+            refine_steps=args.refine_steps,
             bench=BenchConfig(url, tokenizer=tokenizer),
         )
         freeze_startup_heap()  # the client's full collections would delay the answers it times
@@ -202,8 +205,18 @@ def parser() -> argparse.ArgumentParser:
         choices=range(1, 11),
         metavar="N",
         default=3,
-        help="runs at the peak's rate and at each factor, in rounds; each one's goodput is "
-        "the mean of its runs (one 30 s run swings by a tenth or more)",
+        help="runs at the peak's rate and at each factor, in rounds, each round on arrivals "
+        "of its own; each one's goodput is the mean of its runs (one 30 s run swings by a "
+        "tenth or more)",
+    )
+    p.add_argument(
+        "--refine-steps",
+        type=int,
+        choices=range(0, 6),
+        metavar="N",
+        default=2,
+        help="runs after the climb that halve, in log scale, the gap between the highest "
+        "rate served and the next (2: the saturation rate within 1.5^(1/4), 11%%)",
     )
     p.add_argument(
         "--warm-up-rate",
@@ -243,6 +256,7 @@ def main() -> None:
                 "rebalance": args.rebalance,
                 "max_hold_s": args.max_hold,
                 "repeats": args.repeats,
+                "refine_steps": args.refine_steps,
                 "slo_ms": result["slo_ms"],
                 "refusal_bound_ms": result["refusal_bound_ms"],
                 "peak_goodput_req_per_s": result["peak_goodput"],

@@ -9,9 +9,14 @@ then offer multiples of that rate and see how much of the peak goodput it keeps.
              rates, the sweep climbs: from ``start_rate``, each rate ``climb`` times
              the last, until one run is past saturation (``past_saturation``), so one
              harness finds the knee of a server whatever its speed
+    refine   ``refine_steps`` runs that halve (in log scale) the gap between the
+             highest rate served and the next rate of the sweep (``refine_rate``): a
+             climb of 1.5x a run leaves the knee anywhere in that gap, and 2x of its
+             lower end is then as little as 1.33x of the knee
     peak     the rate whose run gave the sweep's best goodput, run again
-             ``repeats`` times: the peak goodput is the mean of those runs
-             (``peak_goodput``), not of the sweep's run, which was picked for reading high
+             ``repeats`` times, on fresh arrivals: the peak goodput is the mean of
+             those runs (``peak_goodput``), not of the sweep's run, which was picked
+             for reading high
     over     each factor k: the same workload at k x the saturation rate, run
              ``repeats`` times; its goodput (the mean of its runs) as a fraction of
              the peak, and how fast its refusals were answered
@@ -23,6 +28,15 @@ cores: 5.57 to 7.17 good req/s over eleven 30 s runs at 15.2 req/s, mean 6.3, wh
 runs at 7.6 and 10.1 req/s read 6.0-6.4); a ratio of two single runs then fell under
 0.9 in two of two tries though the means are level, and the mean of three runs each
 narrows that swing by about 1.7.
+
+Each round runs on arrivals of its own: round r (1 to ``repeats``) draws its arrival
+times and prompts from the workload's seed plus r, and the sweep from the seed itself.
+A run's arrivals follow from its seed and rate alone, so runs again on the same ones
+repeat that trace's own luck, and the sweep's best run was picked partly for an easy
+trace. Live (2 prefill + 2 decode, one host, five rounds), the runs again at 11.39
+req/s on the sweep's best arrivals read 6.0-6.17 good req/s, mean 6.09, while 2x, at
+11.21 req/s on arrivals of its own, read 4.63-5.9, mean 5.45: 0.895 of the peak at
+nearly the peak's rate.
 
 A warm-up run (``warm_up_rate``, uncounted) may come first.
 
@@ -69,6 +83,7 @@ __all__ = [
     "next_sweep_rate",
     "past_saturation",
     "peak_goodput",
+    "refine_rate",
     "run_overload",
     "saturation_rate",
     "window_goodput",
@@ -111,6 +126,7 @@ class OverloadConfig:
     start_rate: float = 1.0  # the climbing sweep's first rate, requests/s
     climb: float = 1.5  # each next rate, times the last
     max_sweep_runs: int = 10
+    refine_steps: int = 0  # runs that narrow the saturation rate (see above and refine_rate)
     # A run before the sweep, not counted: the router's cost models and the engines'
     # first steps learn on it (a cold server refused a fifth of a first 1 req/s run on
     # "prefill speed", and a climbing sweep stops at a first run past saturation).
@@ -120,6 +136,8 @@ class OverloadConfig:
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError(f"repeats: want at least 1 run, got {self.repeats}")
+        if self.refine_steps < 0:
+            raise ValueError(f"refine_steps: want 0 or more runs, got {self.refine_steps}")
 
 
 def run_overload(
@@ -127,8 +145,12 @@ def run_overload(
 ) -> dict[str, Any]:
     """The sweep, then each factor; ``report`` sees each run's row as it ends."""
 
-    def run(rate: float, phase: str, duration_s: float = config.duration_s) -> dict[str, Any]:
-        workload = replace(config.workload, duration_s=duration_s)
+    def run(
+        rate: float, phase: str, duration_s: float = config.duration_s, round_: int = 0
+    ) -> dict[str, Any]:
+        # Round r's arrivals and prompts: the workload's seed plus r (see the module).
+        seed = config.workload.seed + round_
+        workload = replace(config.workload, duration_s=duration_s, seed=seed)
         base = config.bench or BenchConfig(config.base_url)
         bench = replace(
             base, base_url=config.base_url, workload=workload, rate=RateSpec(rate), slo=config.slo
@@ -138,7 +160,8 @@ def run_overload(
         pause = rate * duration_s <= _PAUSE_MAX_REQUESTS
         with collector_paused() if pause else contextlib.nullcontext():
             result = run_bench(bench)
-        row = {"phase": phase, "rate": rate} | {k: result.summary.get(k) for k in _KEYS}
+        row = {"phase": phase, "rate": rate, "seed": seed}
+        row |= {k: result.summary.get(k) for k in _KEYS}
         row["window_goodput"] = window_goodput(result.records, config.slo, duration_s)
         row["errors"] = dict(Counter(r.error for r in result.records if not r.success))
         report(row)
@@ -155,15 +178,21 @@ def run_overload(
         while rate is not None:
             sweep.append(run(rate, "sweep"))
             rate = next_sweep_rate(sweep, config.climb, config.max_sweep_runs)
+    for _ in range(config.refine_steps):
+        between = refine_rate(sweep)
+        if between is None:
+            break
+        sweep.append(run(between, "refine"))
+        sweep.sort(key=lambda row: row["rate"])
     best = max(sweep, key=lambda row: row["window_goodput"])
     saturation = saturation_rate(sweep)
     over_s = config.over_duration_s or config.duration_s
     again: list[dict[str, Any]] = []
     runs: list[list[dict[str, Any]]] = [[] for _ in config.factors]
-    for _ in range(config.repeats):  # in rounds: see the module
-        again.append(run(best["rate"], "peak"))
+    for round_ in range(1, config.repeats + 1):  # in rounds, each its own arrivals: see above
+        again.append(run(best["rate"], "peak", round_=round_))
         for k, factor_runs in zip(config.factors, runs, strict=True):
-            factor_runs.append(run(k * saturation, f"{k:g}x", over_s))
+            factor_runs.append(run(k * saturation, f"{k:g}x", over_s, round_))
     peak = peak_goodput(again)
     over = []
     for k, factor_runs in zip(config.factors, runs, strict=True):
@@ -218,7 +247,8 @@ def peak_goodput(again: Sequence[dict[str, Any]]) -> float:
     sweep's best read 5.67 good req/s and its three runs again 5.12 on average, so the
     peak read 5.26, and 2x (4.69) 0.89 of it against 0.92 of the three runs alone.
     The runs again measure the peak as each factor is measured: at one rate, as many
-    runs, in the same rounds."""
+    runs, in the same rounds, each on its round's arrivals, none on the best run's
+    (see the module)."""
     goodputs = [float(row["window_goodput"]) for row in again]
     return sum(goodputs) / len(goodputs)
 
@@ -239,6 +269,24 @@ def saturation_rate(sweep: Sequence[dict[str, Any]]) -> float:
             break
         saturation = row["rate"]
     return float(saturation)
+
+
+def refine_rate(sweep: Sequence[dict[str, Any]]) -> float | None:
+    """The rate that halves, in log scale, the gap between ``sweep``'s saturation rate
+    (``saturation_rate``; rows in ascending rate) and the sweep's next rate, the first
+    that kept less than ``ATTAINMENT``: their geometric mean, requests/s. None when
+    there is no such gap: no rate was served, or every rate was.
+
+    The knee lies somewhere in that gap, and 2x and 3x are read off its lower end. In a
+    clean-clone CI run on a host slower than the reference the climb served 3.375 req/s
+    (all of it good) and kept 81% at 5.06: 2x was 6.75 req/s, where goodput (5.05 good
+    req/s, the mean of five runs) had not yet crept up to the peak's (5.63 at 11.4 req/s
+    offered), and read 0.897 of it."""
+    served = [row["slo_attainment"] >= ATTAINMENT for row in sweep]
+    if not served[0] or all(served):
+        return None
+    first_short = served.index(False)
+    return math.sqrt(float(sweep[first_short - 1]["rate"]) * float(sweep[first_short]["rate"]))
 
 
 def past_saturation(rate: float, goodput: float, best_before: float) -> bool:

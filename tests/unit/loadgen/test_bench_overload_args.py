@@ -41,3 +41,13 @@ def test_a_start_rate_that_is_not_a_rate_is_refused_naming_the_option(
         overload.parser().parse_args(["--start-rate", text])
     assert exit_info.value.code == 2
     assert "--start-rate" in capsys.readouterr().err
+
+
+def test_two_refining_runs_by_default_and_a_count_out_of_range_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert overload.parser().parse_args([]).refine_steps == 2
+    assert overload.parser().parse_args(["--refine-steps", "0"]).refine_steps == 0
+    with pytest.raises(SystemExit):
+        overload.parser().parse_args(["--refine-steps", "-1"])
+    assert "--refine-steps" in capsys.readouterr().err

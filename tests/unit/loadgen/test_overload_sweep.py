@@ -4,7 +4,9 @@ whatever the server's speed, and the saturation rate is read off the runs it mad
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from loadgen import overload
 from loadgen.client import BenchConfig, BenchResult
 from loadgen.metrics import GoodputSLO, RequestRecord
-from loadgen.overload import OverloadConfig, next_sweep_rate, saturation_rate
+from loadgen.overload import OverloadConfig, next_sweep_rate, refine_rate, saturation_rate
 from loadgen.scenario import WorkloadConfig
 
 
@@ -71,6 +73,40 @@ def test_the_saturation_rate_is_the_last_served_at_90_percent_not_where_goodput_
     assert saturation_rate(sweep[2:]) == 5.06  # none served: the first rate
 
 
+def test_refining_halves_the_gap_above_the_last_rate_served_in_log_scale() -> None:
+    def rows(*attainments: float) -> list[dict[str, float]]:
+        rates = (2.25, 3.375, 5.0625, 7.59375)
+        return [{"rate": r, "slo_attainment": a} for r, a in zip(rates, attainments)]
+
+    # Served up to 3.375, short at 5.06: their geometric mean.
+    assert refine_rate(rows(1.0, 0.95, 0.81, 0.6)) == pytest.approx(4.1335, abs=1e-4)
+    # A later run back at 90% does not move the gap (as it does not move saturation).
+    assert refine_rate(rows(1.0, 0.7, 0.92, 0.6)) == pytest.approx(math.sqrt(2.25 * 3.375))
+    assert refine_rate(rows(0.8, 0.7, 0.6, 0.5)) is None  # nothing served: no gap
+    assert refine_rate(rows(1.0, 1.0, 0.95, 0.91)) is None  # all served: no upper end
+
+
+@pytest.mark.parametrize("capacity", [2.0, 3.0, 4.4, 7.0])
+def test_refined_runs_put_the_saturation_rate_within_11_percent_of_the_knee(
+    monkeypatch: pytest.MonkeyPatch, capacity: float
+) -> None:
+    """A server serving ``capacity`` good req/s keeps 90% up to capacity / 0.9: the climb
+    alone may stop up to 1.5x below that; two refining runs, 1.5^(1/4) (11%)."""
+    knee = capacity / 0.9
+    refined = {}
+    for steps in (0, 2):
+        server = FakeServer(capacity=capacity, cold_share=1.0)
+        monkeypatch.setattr(overload, "run_bench", server)
+        result = overload.run_overload(fake_config(refine_steps=steps))
+        rates = [row["rate"] for row in result["sweep"]]
+        assert rates == sorted(rates)  # refining runs take their place in the sweep
+        assert [row["phase"] for row in result["sweep"]].count("refine") == steps
+        refined[steps] = result["saturation_rate"]
+        assert result["over"][0]["rate"] == pytest.approx(2 * refined[steps])
+    assert knee / 1.5 < refined[0] <= refined[2] <= knee
+    assert refined[2] > knee / 1.5**0.25
+
+
 def test_a_first_run_already_past_saturation_ends_the_sweep() -> None:
     assert len(climb(lambda rate: 0.5, start=4.0)) == 1
 
@@ -91,6 +127,7 @@ class FakeServer:
         self.cold_share = cold_share
         self.lucky = dict(lucky or {})
         self.rates: list[float] = []
+        self.seeds: list[int] = []  # each run's workload seed
         self.collector_on: list[bool] = []  # during each run
 
     def __call__(self, bench: BenchConfig) -> BenchResult:
@@ -99,6 +136,7 @@ class FakeServer:
         good = min(rate, self.capacity) * (self.cold_share if not self.rates else 1.0)
         good *= self.lucky.pop(rate, 1.0)
         self.rates.append(rate)
+        self.seeds.append(bench.workload.seed)
         records = [
             RequestRecord(f"r{i}", True, i / good, ttft_s=0.1, e2el_s=0.2, output_tokens=1)
             for i in range(round(good * window_s))
@@ -191,6 +229,22 @@ def test_repeated_runs_go_in_rounds_and_each_factor_is_the_mean_of_its_runs(
     assert three["of_peak"] == pytest.approx(2.6 / 3.0)
 
 
+def test_each_round_runs_on_arrivals_of_its_own_and_none_on_the_sweep_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's arrivals follow from its seed and rate: runs again on the best run's
+    arrivals would repeat the easy trace the sweep picked it for."""
+    server = FakeServer(capacity=3.0, cold_share=1.0)
+    monkeypatch.setattr(overload, "run_bench", server)
+    config = fake_config(repeats=3, warm_up_rate=1.0, refine_steps=1)
+    config = replace(config, workload=replace(config.workload, seed=7))
+    result = overload.run_overload(config)
+    sweep_runs = 1 + len(result["sweep"])  # the warm-up, the climb and the refining run
+    assert server.seeds[:sweep_runs] == [7] * sweep_runs
+    assert server.seeds[sweep_runs:] == [8, 8, 8, 9, 9, 9, 10, 10, 10]  # peak, 2x, 3x a round
+    assert [row["seed"] for row in result["sweep"]] == [7] * len(result["sweep"])
+
+
 def test_combined_runs_sum_their_counts_and_keep_the_slowest_refusal() -> None:
     def row(goodput: float, rejected: int, max_ms: float, errors: dict[str, int]) -> dict:
         return {
@@ -222,3 +276,5 @@ def test_combined_runs_sum_their_counts_and_keep_the_slowest_refusal() -> None:
 def test_repeats_below_one_are_refused() -> None:
     with pytest.raises(ValueError, match="repeats: want at least 1 run, got 0"):
         fake_config(repeats=0)
+    with pytest.raises(ValueError, match="refine_steps: want 0 or more runs, got -1"):
+        fake_config(refine_steps=-1)
