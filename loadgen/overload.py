@@ -263,12 +263,7 @@ def saturation_rate(sweep: Sequence[dict[str, Any]]) -> float:
     more. Live on 2 AVX2 cores it rose from 3.05 req/s at 3.4 req/s offered (90% of
     the requests good) to 4.1 at 7.6 (54%), and 3x of 7.6 was 23 req/s of HTTP on the
     2 cores the engines run on."""
-    saturation = sweep[0]["rate"]
-    for row in sweep:
-        if row["slo_attainment"] < ATTAINMENT:
-            break
-        saturation = row["rate"]
-    return float(saturation)
+    return float(sweep[max(_first_short(sweep) - 1, 0)]["rate"])
 
 
 def refine_rate(sweep: Sequence[dict[str, Any]]) -> float | None:
@@ -282,11 +277,17 @@ def refine_rate(sweep: Sequence[dict[str, Any]]) -> float | None:
     (all of it good) and kept 81% at 5.06: 2x was 6.75 req/s, where goodput (5.05 good
     req/s, the mean of five runs) had not yet crept up to the peak's (5.63 at 11.4 req/s
     offered), and read 0.897 of it."""
-    served = [row["slo_attainment"] >= ATTAINMENT for row in sweep]
-    if not served[0] or all(served):
+    first_short = _first_short(sweep)
+    if first_short in (0, len(sweep)):
         return None
-    first_short = served.index(False)
     return math.sqrt(float(sweep[first_short - 1]["rate"]) * float(sweep[first_short]["rate"]))
+
+
+def _first_short(sweep: Sequence[dict[str, Any]]) -> int:
+    """The index of ``sweep``'s first run that kept less than ``ATTAINMENT`` of its
+    requests within the SLO; ``len(sweep)`` if none did."""
+    short = (i for i, row in enumerate(sweep) if row["slo_attainment"] < ATTAINMENT)
+    return next(short, len(sweep))
 
 
 def past_saturation(rate: float, goodput: float, best_before: float) -> bool:
