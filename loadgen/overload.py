@@ -38,14 +38,6 @@ req/s on the sweep's best arrivals read 6.0-6.17 good req/s, mean 6.09, while 2x
 11.21 req/s on arrivals of its own, read 4.63-5.9, mean 5.45: 0.895 of the peak at
 nearly the peak's rate.
 
-Within a round, the runs at the peak's rate and at each factor share their luck: each
-run draws prompt lengths, output lengths and arrival gaps from streams of their own
-(``WorkloadConfig.split_streams``), so a round's runs at different rates have the same
-first requests, arriving in the same proportions of the window, and the faster runs
-add requests of their own after them (common random numbers). A round with a hard
-trace is then hard at every rate it runs, and the ratio of a factor's goodput to the
-peak's carries less of the traces' luck than goodputs of unrelated traces did.
-
 A warm-up run (``warm_up_rate``, uncounted) may come first.
 
 A server that admits what it cannot serve loses goodput past saturation (queues grow,
@@ -156,10 +148,9 @@ def run_overload(
     def run(
         rate: float, phase: str, duration_s: float = config.duration_s, round_: int = 0
     ) -> dict[str, Any]:
-        # Round r's arrivals and prompts: the workload's seed plus r, in split streams, so
-        # a round's runs at different rates share their first requests (see the module).
+        # Round r's arrivals and prompts: the workload's seed plus r (see the module).
         seed = config.workload.seed + round_
-        workload = replace(config.workload, duration_s=duration_s, seed=seed, split_streams=True)
+        workload = replace(config.workload, duration_s=duration_s, seed=seed)
         base = config.bench or BenchConfig(config.base_url)
         bench = replace(
             base, base_url=config.base_url, workload=workload, rate=RateSpec(rate), slo=config.slo

@@ -128,7 +128,6 @@ class FakeServer:
         self.lucky = dict(lucky or {})
         self.rates: list[float] = []
         self.seeds: list[int] = []  # each run's workload seed
-        self.split_streams: list[bool] = []  # and whether it drew from split streams
         self.collector_on: list[bool] = []  # during each run
 
     def __call__(self, bench: BenchConfig) -> BenchResult:
@@ -138,7 +137,6 @@ class FakeServer:
         good *= self.lucky.pop(rate, 1.0)
         self.rates.append(rate)
         self.seeds.append(bench.workload.seed)
-        self.split_streams.append(bench.workload.split_streams)
         records = [
             RequestRecord(f"r{i}", True, i / good, ttft_s=0.1, e2el_s=0.2, output_tokens=1)
             for i in range(round(good * window_s))
@@ -245,8 +243,6 @@ def test_each_round_runs_on_arrivals_of_its_own_and_none_on_the_sweep_s(
     assert server.seeds[:sweep_runs] == [7] * sweep_runs
     assert server.seeds[sweep_runs:] == [8, 8, 8, 9, 9, 9, 10, 10, 10]  # peak, 2x, 3x a round
     assert [row["seed"] for row in result["sweep"]] == [7] * len(result["sweep"])
-    # Common random numbers: a round's runs at different rates share their first requests.
-    assert server.split_streams == [True] * len(server.seeds)
 
 
 def test_combined_runs_sum_their_counts_and_keep_the_slowest_refusal() -> None:
