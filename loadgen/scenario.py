@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -40,33 +40,11 @@ class WorkloadConfig:
     images_per_request: str = "0"  # a length spec (or 0): images with an image request
     image_size: str = "336"  # a length spec: pixels per side of each (square) image
     image_fraction: float = 1.0  # share of requests that carry images (the rest: text chat)
-    # Prompt lengths, output lengths, arrival gaps and images each drawn from a stream of
-    # its own (all seeded from ``seed``): runs of one seed at different rates then share
-    # their first requests and the shape of their arrivals (common random numbers), so
-    # what differs between them is the rate, not the luck of the draw. False: one stream.
-    split_streams: bool = False
-
-
-class _Streams(NamedTuple):
-    """Where each kind of draw comes from (one generator for all, or one each)."""
-
-    inputs: np.random.Generator
-    outputs: np.random.Generator
-    arrivals: np.random.Generator
-    images: np.random.Generator
-
-
-def _streams(cfg: WorkloadConfig) -> _Streams:
-    if not cfg.split_streams:
-        rng = np.random.default_rng(cfg.seed)
-        return _Streams(rng, rng, rng, rng)
-    seeds = np.random.SeedSequence(cfg.seed).spawn(len(_Streams._fields))
-    return _Streams(*(np.random.default_rng(s) for s in seeds))
 
 
 def build_requests(cfg: WorkloadConfig, rate: RateSpec | None) -> list[RequestSpec]:
     """Requests sorted by arrival. ``rate=None``: closed loop (arrival times unused)."""
-    streams = _streams(cfg)
+    rng = np.random.default_rng(cfg.seed)
     num = _num_requests(cfg, rate)
     if cfg.workload_file is not None:
         specs = load_workload_file(cfg.workload_file)
@@ -74,13 +52,13 @@ def build_requests(cfg: WorkloadConfig, rate: RateSpec | None) -> list[RequestSp
             specs = specs[:num]
         if rate is None:  # trace timestamps (ShareGPT: all at 0, i.e. closed loop)
             return specs
-        times = arrival_times(rate, len(specs), cfg.burstiness, streams.arrivals)
+        times = arrival_times(rate, len(specs), cfg.burstiness, rng)
         return [replace(s, arrival_s=float(t)) for s, t in zip(specs, times)]
     if cfg.turns < 1:
         raise WorkloadError(f"turns must be >= 1, got {cfg.turns}")
     if cfg.turns == 1:
-        return _single_turn(cfg, rate, num, streams)
-    return _conversations(cfg, rate, num, streams)
+        return _single_turn(cfg, rate, num, rng)
+    return _conversations(cfg, rate, num, rng)
 
 
 def _num_requests(cfg: WorkloadConfig, rate: RateSpec | None) -> int:
@@ -92,16 +70,12 @@ def _num_requests(cfg: WorkloadConfig, rate: RateSpec | None) -> int:
 
 
 def _single_turn(
-    cfg: WorkloadConfig, rate: RateSpec | None, num: int, streams: _Streams
+    cfg: WorkloadConfig, rate: RateSpec | None, num: int, rng: np.random.Generator
 ) -> list[RequestSpec]:
-    inputs = parse_length(cfg.input_len).sample(streams.inputs, num)
-    outputs = parse_length(cfg.output_len).sample(streams.outputs, num)
-    times = (
-        arrival_times(rate, num, cfg.burstiness, streams.arrivals, cfg.duration_s)
-        if rate
-        else np.zeros(num)
-    )
-    sides = _image_sides(cfg, num, streams.images)
+    inputs = parse_length(cfg.input_len).sample(rng, num)
+    outputs = parse_length(cfg.output_len).sample(rng, num)
+    times = arrival_times(rate, num, cfg.burstiness, rng, cfg.duration_s) if rate else np.zeros(num)
+    sides = _image_sides(cfg, num, rng)
     return [
         RequestSpec(
             request_id=f"req-{i}",
@@ -137,13 +111,13 @@ def _unique_ids(owner: int, num_tokens: int, block_size: int) -> tuple[int, ...]
 
 
 def _conversations(
-    cfg: WorkloadConfig, rate: RateSpec | None, num: int, streams: _Streams
+    cfg: WorkloadConfig, rate: RateSpec | None, num: int, rng: np.random.Generator
 ) -> list[RequestSpec]:
     num_sessions = -(-num // cfg.turns)
-    new_inputs = parse_length(cfg.input_len).sample(streams.inputs, num_sessions * cfg.turns)
-    outputs = parse_length(cfg.output_len).sample(streams.outputs, num_sessions * cfg.turns)
+    new_inputs = parse_length(cfg.input_len).sample(rng, num_sessions * cfg.turns)
+    outputs = parse_length(cfg.output_len).sample(rng, num_sessions * cfg.turns)
     starts = (
-        arrival_times(rate, num_sessions, cfg.burstiness, streams.arrivals, cfg.duration_s)
+        arrival_times(rate, num_sessions, cfg.burstiness, rng, cfg.duration_s)
         if rate
         else np.zeros(num_sessions)
     )

@@ -130,52 +130,6 @@ def test_build_is_reproducible() -> None:
     assert other != build_requests(cfg, RateSpec(5.0))
 
 
-def _runs_at(rate: float, split_streams: bool) -> list:
-    cfg = WorkloadConfig(
-        input_len="lognormal:mean=300,sigma=1.0",
-        output_len="uniform:16-256",
-        duration_s=20.0,
-        seed=11,
-        split_streams=split_streams,
-    )
-    return build_requests(cfg, RateSpec(rate))
-
-
-def test_split_streams_give_runs_at_different_rates_the_same_first_requests() -> None:
-    """Common random numbers: at 10 and 15 req/s from one seed, the 200 requests of the
-    slower run are the faster run's first 200, lengths and all, and arrive in the same
-    proportions of its span; with one stream the output lengths and gaps shift with the
-    number of prompts drawn before them."""
-    slow, fast = _runs_at(10.0, True), _runs_at(15.0, True)
-    assert (len(slow), len(fast)) == (200, 300)
-    shared = fast[: len(slow)]
-    assert [(r.input_len, r.output_len) for r in slow] == [
-        (r.input_len, r.output_len) for r in shared
-    ]
-    assert [r.request_id for r in slow] == [r.request_id for r in shared]
-    # The same gaps, scaled: arrival times in one proportion (the first is at 0).
-    ratios = np.array([r.arrival_s for r in shared[1:]]) / [r.arrival_s for r in slow[1:]]
-    assert ratios == pytest.approx(np.full(len(ratios), ratios[0]), rel=1e-9)
-    assert 0.5 < ratios[0] < 1.0  # the faster run's first 200 come sooner
-
-    one_slow, one_fast = _runs_at(10.0, False), _runs_at(15.0, False)
-    assert [r.input_len for r in one_slow] == [r.input_len for r in one_fast[:200]]
-    assert [r.output_len for r in one_slow] != [r.output_len for r in one_fast[:200]]
-
-
-def test_split_streams_are_seeded_and_leave_one_stream_as_it_was() -> None:
-    assert _runs_at(10.0, True) == _runs_at(10.0, True)
-    assert _runs_at(10.0, True) != _runs_at(10.0, False)
-    # One stream: prompt lengths, then output lengths, then gaps, from the seed's generator.
-    rng = np.random.default_rng(11)
-    inputs = parse_length("lognormal:mean=300,sigma=1.0").sample(rng, 200)
-    outputs = parse_length("uniform:16-256").sample(rng, 200)
-    times = arrival_times(RateSpec(10.0), 200, 1.0, rng, 20.0)
-    assert [(r.input_len, r.output_len, r.arrival_s) for r in _runs_at(10.0, False)] == [
-        (int(i), int(o), float(t)) for i, o, t in zip(inputs, outputs, times)
-    ]
-
-
 def test_mooncake_trace(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     rows = [
