@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from loadgen.sim.worker import SimRequest
+from loadgen.sim.request import SimRequest
 
 __all__ = ["PrefixCaches"]
 

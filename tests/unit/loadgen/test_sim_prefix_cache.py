@@ -4,7 +4,7 @@ recently used out first when the worker's KV memory is full."""
 from __future__ import annotations
 
 from loadgen.sim.prefix_cache import PrefixCaches
-from loadgen.sim.worker import SimRequest
+from loadgen.sim.request import SimRequest
 
 
 def _request(hash_ids: tuple[int, ...], block_tokens: int = 100) -> SimRequest:
