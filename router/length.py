@@ -15,8 +15,11 @@ while the few longest requests are always the ones set apart.
 
 Two ways to separate the classes (``SplitMode``):
 
-* ``temporal``: every prefill worker keeps two queues and serves SHORT first; a
-  short request waits only for queued short work, a long one for both queues.
+* ``temporal``: the classes share the workers that prefill, and the engines share
+  their steps between them: each serves its queue first come, first served, but with
+  a long-prefill threshold (``engine.long_prefill_token_threshold``) a long prompt
+  goes in chunks and a short one that arrives behind it starts after one chunk
+  (``queue_wait_s`` prices each worker's queue as its engine serves it).
 * ``spatial``: the workers that prefill (prefill, then mixed ones) are split;
   a LONG pool takes LONG requests, the rest SHORT ones, each FCFS. The pool's
   size follows the LONG class's share of recent prefill work (``long_share``:
@@ -186,21 +189,30 @@ def queue_wait_s(
     queued_tokens: Mapping[LengthClass, int],
     queued_requests: Mapping[LengthClass, int],
     length_class: LengthClass,
-    mode: SplitMode,
     budget_tokens: int = 0,
+    long_prefill_tokens: int = 0,
 ) -> float:
-    """Predicted time before a new request of ``length_class`` starts prefilling.
+    """Predicted time before a new request of ``length_class`` starts prefilling, behind
+    a worker's queue as its engine serves it: first come, first served, except that
+    with a long-prefill threshold (``long_prefill_tokens``, the engine's
+    ``long_prefill_token_threshold``; 0: none) no request takes more than that many
+    tokens of a step while others wait, so a SHORT request that arrives behind long
+    prompts waits for the queued SHORT work and one chunk of each long prompt (they
+    share its first steps), not for the long prompts themselves. A LONG request waits
+    for everything queued.
 
-    Queued work is priced per class as ``s·a + b·T + c·T²/k`` for ``k`` requests of
-    ``T`` tokens in all (the quadratic term as if equally long). The engine fills
-    steps of at most ``budget_tokens`` tokens from the queue, batching short prompts
-    and chunking long ones, and pays the fixed overhead ``a`` once per step, so
-    ``s = ⌈T / budget⌉``; with no known budget (0) every request is taken to be its
-    own step, which over-prices a queue of short prompts by up to ``k`` times ``a``.
+    Each class's queued work is priced as ``s·a + b·T + c·T²/k`` for ``k`` requests of
+    ``T`` tokens in all (the quadratic term as if equally long). The engine fills steps
+    of at most ``budget_tokens`` tokens from the queue, batching short prompts and
+    chunking long ones, and pays the fixed overhead ``a`` once per step, so
+    ``s = ⌈T / budget⌉``; with no known budget (0) every request is taken to be its own
+    step, which over-prices a queue of short prompts by up to ``k`` times ``a``.
     (``s = min(k, ⌈T / budget⌉)`` priced a chunked queue of long prompts as one step
     each: on a mixed worker, whose budget is 512 tokens less its running sequences,
     three queued 2250-token prompts took 19 steps of ~12 ms where 3 were priced.)"""
-    short_s, long_s = queue_waits_s(coeffs, queued_tokens, queued_requests, mode, budget_tokens)
+    short_s, long_s = queue_waits_s(
+        coeffs, queued_tokens, queued_requests, budget_tokens, long_prefill_tokens
+    )
     return short_s if length_class is LengthClass.SHORT else long_s
 
 
@@ -208,33 +220,35 @@ def queue_waits_s(
     coeffs: QuadCoeffs,
     queued_tokens: Mapping[LengthClass, int],
     queued_requests: Mapping[LengthClass, int],
-    mode: SplitMode,
     budget_tokens: int = 0,
+    long_prefill_tokens: int = 0,
 ) -> tuple[float, float]:
-    """``queue_wait_s`` of a SHORT and of a LONG request, each class's queue priced once
-    (a worker's row needs both)."""
-    short_s = _class_queue_s(
-        coeffs, queued_tokens, queued_requests, LengthClass.SHORT, budget_tokens
-    )
-    # A LONG request waits behind both classes, SHORT first.
-    long_s = short_s + _class_queue_s(
-        coeffs, queued_tokens, queued_requests, LengthClass.LONG, budget_tokens
-    )
-    return (long_s if mode is SplitMode.SPATIAL else short_s), long_s
+    """``queue_wait_s`` of a SHORT and of a LONG request (a worker's row needs both)."""
+    short_tokens = queued_tokens.get(LengthClass.SHORT, 0)
+    long_tokens = queued_tokens.get(LengthClass.LONG, 0)
+    num_short = max(queued_requests.get(LengthClass.SHORT, 1), 1)
+    num_long = max(queued_requests.get(LengthClass.LONG, 1), 1)
+    short_s = _queued_work_s(coeffs, budget_tokens, short_tokens, num_short)
+    long_s = short_s + _queued_work_s(coeffs, budget_tokens, long_tokens, num_long)
+    chunks = num_long * long_prefill_tokens  # one chunk of each long prompt
+    if long_prefill_tokens <= 0 or long_tokens <= chunks:
+        return long_s, long_s  # first come, first served (or each long prompt is one chunk)
+    # The queued SHORT work and the chunks run together in the SHORT request's steps.
+    tokens = short_tokens + chunks
+    if budget_tokens > 0:
+        steps = -(-tokens // budget_tokens)
+    else:
+        steps = num_long + (num_short if short_tokens > 0 else 0)
+    squares = float(num_long * long_prefill_tokens * long_prefill_tokens)
+    if short_tokens > 0:
+        squares += short_tokens * short_tokens / num_short
+    return steps * coeffs.a + coeffs.b * tokens + coeffs.c * squares, long_s
 
 
-def _class_queue_s(
-    coeffs: QuadCoeffs,
-    queued_tokens: Mapping[LengthClass, int],
-    queued_requests: Mapping[LengthClass, int],
-    length_class: LengthClass,
-    budget_tokens: int,
-) -> float:
-    """One class's queued work: ``s·a + b·T + c·T²/k`` (``queue_wait_s``)."""
-    tokens = queued_tokens.get(length_class, 0)
+def _queued_work_s(coeffs: QuadCoeffs, budget_tokens: int, tokens: int, count: int) -> float:
+    """``s·a + b·T + c·T²/k`` for ``k`` queued requests of ``T`` tokens in all."""
     if tokens <= 0:
         return 0.0
-    count = max(queued_requests.get(length_class, 1), 1)
     steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
     return steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
 

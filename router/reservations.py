@@ -253,6 +253,7 @@ def worker_view(
         draining=s.draining,
         prefix_digest=digest,
         prefill_budget_tokens=s.prefill_budget_tokens,
+        long_prefill_tokens=s.long_prefill_tokens,
         link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s if link else 0.0,
         link_latency_s=link.latency_s if link else None,
         inbound_tokens=inbound_tokens,

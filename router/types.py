@@ -114,6 +114,9 @@ class WorkerView:
     max_num_seqs: int = 256
     draining: bool = False
     prefill_budget_tokens: int = 0  # tokens one engine step prefills at most; 0: unknown
+    # The engine's long_prefill_token_threshold: with others waiting, the most tokens one
+    # request prefills in a step (0: none; see ``router.length.queue_wait_s``).
+    long_prefill_tokens: int = 0
     inbound_tokens: int = 0  # KV of requests placed to decode here, not yet running here
 
 
@@ -211,3 +214,5 @@ class WorkerReport(Protocol):
     def prefix_digest(self) -> tuple[int, ...]: ...
     @property
     def prefill_budget_tokens(self) -> int: ...
+    @property
+    def long_prefill_tokens(self) -> int: ...

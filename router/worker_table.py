@@ -291,7 +291,7 @@ class WorkerTable:
         """Row ``i``'s queued tokens and each length class's queue wait (with ``margin``)."""
         queued, counts = w.queued_tokens, w.queued_requests
         self.queued_tokens[i] = sum(queued.values())
-        short_s, long_s = queue_waits_s(coeffs, queued, counts, self.settings.split_mode, budget)
+        short_s, long_s = queue_waits_s(coeffs, queued, counts, budget, w.long_prefill_tokens)
         self.wait_short_s[i] = short_s * margin
         self.wait_long_s[i] = long_s * margin
 
@@ -394,4 +394,5 @@ def _same_but_queues_and_inbound(old: WorkerView, new: WorkerView) -> bool:
         and old.kv_bytes_per_token == new.kv_bytes_per_token
         and old.max_num_seqs == new.max_num_seqs
         and old.prefill_budget_tokens == new.prefill_budget_tokens
+        and old.long_prefill_tokens == new.long_prefill_tokens
     )

@@ -451,4 +451,5 @@ class SimCluster:
             max_num_seqs=prof.max_num_seqs,
             prefix_digest=self._prefixes.digest(w.worker_id),
             prefill_budget_tokens=w.budget_tokens,
+            long_prefill_tokens=w.long_prefill_tokens,
         )

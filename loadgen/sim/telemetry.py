@@ -51,6 +51,7 @@ class SimReport:
     max_num_seqs: int
     prefix_digest: tuple[int, ...]
     prefill_budget_tokens: int
+    long_prefill_tokens: int
 
 
 class RunningSets:
@@ -83,6 +84,7 @@ def same_state(last: SimReport, now: SimReport) -> bool:
         and now.role is last.role
         and now.draining == last.draining
         and now.prefill_budget_tokens == last.prefill_budget_tokens
+        and now.long_prefill_tokens == last.long_prefill_tokens
         and now.num_total_blocks == last.num_total_blocks
         and now.max_num_seqs == last.max_num_seqs
         and now.block_size == last.block_size

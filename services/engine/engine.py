@@ -377,6 +377,7 @@ class LLMEngine:
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
             cached_block_hashes=bm.cached_hashes(_PREFIX_DIGEST_BLOCKS),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            long_prefill_token_threshold=self.scheduler.long_prefill_token_threshold,
             num_images_encoded=self.images.num_images_encoded,
             num_image_cache_hits=self.images.num_cache_hits,
             kernels=TORCH_KERNELS if self._kernels is None else self._kernels.name,

@@ -275,6 +275,7 @@ class EngineStats:
     # recently cached last: the router's prefix digest of this engine.
     cached_block_hashes: tuple[int, ...] = ()
     max_num_batched_tokens: int = 0  # the step's token budget; 0: unknown
+    long_prefill_token_threshold: int = 0  # with others waiting, a request's most a step
     num_images_encoded: int = 0  # cumulative: images this engine ran its encoder on
     num_image_cache_hits: int = 0  # cumulative: images served from the encoder-output cache
     kernels: str = ""  # the model's CPU kernels (cpu_kernels.py): "cpp", or "torch" ops

@@ -173,6 +173,7 @@ class WorkerSnapshot:
     max_model_len: int
     prefix_digest: tuple[int, ...] = ()  # hashes of cached full blocks (block_hash.py)
     prefill_budget_tokens: int = 0  # tokens one engine step computes at most; 0: unknown
+    long_prefill_tokens: int = 0  # the engine's long_prefill_token_threshold (0: none)
     num_images_encoded: int = 0  # since start: images run through the vision encoder
     num_image_cache_hits: int = 0  # since start: images served by the encoder-output cache
 

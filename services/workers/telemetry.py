@@ -63,6 +63,7 @@ def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
         max_model_len=engine.model_info.max_model_len,
         prefix_digest=stats.cached_block_hashes,
         prefill_budget_tokens=stats.max_num_batched_tokens,
+        long_prefill_tokens=stats.long_prefill_token_threshold,
         num_images_encoded=stats.num_images_encoded,
         num_image_cache_hits=stats.num_image_cache_hits,
     )

@@ -336,6 +336,9 @@ class VllmEngine:
             num_prefix_hit_tokens=0,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
             max_num_batched_tokens=int(scheduler.max_num_scheduled_tokens),
+            long_prefill_token_threshold=int(
+                scheduler.scheduler_config.long_prefill_token_threshold or 0
+            ),
         )
 
     def _prior(self, request_id: str) -> int:

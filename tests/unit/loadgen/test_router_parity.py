@@ -78,7 +78,7 @@ def as_snapshot(r: SimReport) -> WorkerSnapshot:
         recent_steps=r.recent_steps, recent_output_lens=(), num_preemptions=0,
         num_pending_pulls=0, num_finished_requests=0, kv_bytes_per_token=r.kv_bytes_per_token,
         max_num_seqs=r.max_num_seqs, max_model_len=4096, prefix_digest=r.prefix_digest,
-        prefill_budget_tokens=r.prefill_budget_tokens,
+        prefill_budget_tokens=r.prefill_budget_tokens, long_prefill_tokens=r.long_prefill_tokens,
     )  # fmt: skip
 
 

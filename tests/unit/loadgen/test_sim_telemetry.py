@@ -54,6 +54,7 @@ def _state(r: SimReport) -> tuple[object, ...]:
         r.role,
         r.draining,
         r.prefill_budget_tokens,
+        r.long_prefill_tokens,
     )
 
 

@@ -59,6 +59,7 @@ def worker(
     alive: bool = True,
     draining: bool = False,
     max_num_seqs: int = 64,
+    long_prefill_tokens: int = 0,
 ) -> WorkerView:
     held = sum(r.num_tokens_held for r in running)
     return WorkerView(
@@ -77,6 +78,7 @@ def worker(
         link_bandwidth_bytes_per_s=bandwidth,
         kv_bytes_per_token=100_000,
         max_num_seqs=max_num_seqs,
+        long_prefill_tokens=long_prefill_tokens,
     )
 
 

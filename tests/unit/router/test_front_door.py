@@ -284,9 +284,10 @@ def test_links_are_priced_from_measured_transfers_and_mixed_workers_by_their_bud
         assert w.link_bandwidth_bytes_per_s == pytest.approx(1e9, rel=0.05)  # shown
         assert w.link_latency_s == pytest.approx(0.002, rel=0.05)  # once moved 5 %
     assert r.link("d").latency_s != seed.latency_s
-    mixed = replace(snapshot("m", Role.MIXED), prefill_budget_tokens=512)
+    mixed = replace(snapshot("m", Role.MIXED), prefill_budget_tokens=512, long_prefill_tokens=128)
     r.update(mixed)
     assert r.view().workers[2].prefill_budget_tokens == 512
+    assert r.view().workers[2].long_prefill_tokens == 128  # the queue is priced as it runs
 
 
 def test_a_released_reservation_brings_back_the_workers_peak_table_undrawn() -> None:

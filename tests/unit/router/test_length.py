@@ -9,7 +9,6 @@ import pytest
 from router.length import (
     LengthClassifier,
     LongPool,
-    SplitMode,
     effective_prefill_tokens,
     long_pool_size,
     queue_wait_s,
@@ -60,22 +59,37 @@ def test_effective_length_subtracts_the_prefix_hit_and_adds_images() -> None:
     assert effective_prefill_tokens(p, hit_tokens=5000) == 1  # never nothing to compute
 
 
-def test_temporal_queues_let_short_requests_skip_long_work() -> None:
+def test_a_queue_is_served_first_come_first_served_without_a_long_prefill_threshold() -> None:
+    # The engine has one queue: a short request waits for the long prompt ahead of it.
     tokens = {LengthClass.SHORT: 100, LengthClass.LONG: 8000}
     counts = {LengthClass.SHORT: 2, LengthClass.LONG: 1}
-    short_wait = 2 * 0.02 + 1e-4 * 100
-    long_wait = short_wait + 0.02 + 1e-4 * 8000
+    everything = 2 * 0.02 + 1e-4 * 100 + 0.02 + 1e-4 * 8000
     q = FLAT_THEN_LINEAR
-    assert queue_wait_s(q, tokens, counts, LengthClass.SHORT, SplitMode.TEMPORAL) == pytest.approx(
-        short_wait
+    for cls in LengthClass:
+        assert queue_wait_s(q, tokens, counts, cls) == pytest.approx(everything)
+
+
+def test_with_a_long_prefill_threshold_a_short_request_waits_for_one_chunk_of_each_long() -> None:
+    # Two 4000-token prompts and two short ones queued; the engine caps a request at 512
+    # tokens a step while others wait, so a short arrival shares its first step with the
+    # short work and one 512-token chunk of each long prompt (1124 tokens, 1 step of 2048).
+    q = QuadCoeffs(a=0.02, b=1e-4, c=1e-8)
+    tokens = {LengthClass.SHORT: 100, LengthClass.LONG: 8000}
+    counts = {LengthClass.SHORT: 2, LengthClass.LONG: 2}
+    short = queue_wait_s(q, tokens, counts, LengthClass.SHORT, 2048, long_prefill_tokens=512)
+    assert short == pytest.approx(q.a + q.b * 1124 + q.c * (100**2 / 2 + 2 * 512**2))
+    # A long arrival still waits for everything (the queue's own prompts run first).
+    fcfs = queue_wait_s(q, tokens, counts, LengthClass.SHORT, 2048)
+    assert queue_wait_s(q, tokens, counts, LengthClass.LONG, 2048, 512) == pytest.approx(fcfs)
+    assert fcfs == pytest.approx(
+        q.a + q.b * 100 + q.c * 100**2 / 2 + 4 * q.a + q.b * 8000 + q.c * 8000**2 / 2
     )
-    assert queue_wait_s(q, tokens, counts, LengthClass.LONG, SplitMode.TEMPORAL) == pytest.approx(
-        long_wait
-    )
-    # A worker of a spatially split pool serves its queue first come, first served.
-    assert queue_wait_s(q, tokens, counts, LengthClass.SHORT, SplitMode.SPATIAL) == pytest.approx(
-        long_wait
-    )
+    assert short < fcfs / 4
+    # A threshold at or above every long prompt chunks nothing: first come, first served.
+    assert queue_wait_s(q, tokens, counts, LengthClass.SHORT, 2048, 4000) == pytest.approx(fcfs)
+    # Unknown budget: each request and each chunk its own step.
+    unknown = queue_wait_s(q, tokens, counts, LengthClass.SHORT, 0, 512)
+    assert unknown == pytest.approx(4 * q.a + q.b * 1124 + q.c * (100**2 / 2 + 2 * 512**2))
 
 
 def test_long_pool_takes_prefill_workers_first_then_mixed_ones() -> None:
@@ -147,15 +161,15 @@ def test_batched_prefill_pays_the_fixed_overhead_once_per_step() -> None:
     # them in 2 steps, so the queue costs 2·a, not 40·a.
     q = FLAT_THEN_LINEAR
     tokens, counts = {LengthClass.SHORT: 2000}, {LengthClass.SHORT: 40}
-    per_request = queue_wait_s(q, tokens, counts, LengthClass.SHORT, SplitMode.TEMPORAL)
-    batched = queue_wait_s(q, tokens, counts, LengthClass.SHORT, SplitMode.TEMPORAL, 1024)
+    per_request = queue_wait_s(q, tokens, counts, LengthClass.SHORT)
+    batched = queue_wait_s(q, tokens, counts, LengthClass.SHORT, 1024)
     assert per_request == pytest.approx(40 * q.a + q.b * 2000 + q.c * 2000**2 / 40)
     assert batched == pytest.approx(2 * q.a + q.b * 2000 + q.c * 2000**2 / 40)
     # A budget smaller than the prompts cannot make it cheaper than one step per request:
     # the engine chunks them, 2000 tokens in 512-token steps are 4 steps, not 2.
     few = {LengthClass.SHORT: 2}
-    chunked = queue_wait_s(q, tokens, few, LengthClass.SHORT, SplitMode.TEMPORAL, 512)
-    assert chunked >= queue_wait_s(q, tokens, few, LengthClass.SHORT, SplitMode.TEMPORAL)
+    chunked = queue_wait_s(q, tokens, few, LengthClass.SHORT, 512)
+    assert chunked >= queue_wait_s(q, tokens, few, LengthClass.SHORT)
     assert chunked == pytest.approx(4 * q.a + q.b * 2000 + q.c * 2000**2 / 2)
 
 

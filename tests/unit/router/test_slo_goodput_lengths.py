@@ -1,4 +1,4 @@
-"""slo_goodput's length classes: temporal queues, the spatial pool and its size, on
+"""slo_goodput's length classes: queues as the engine serves them, the spatial pool and its size, on
 constructed views (``builders.PROFILE``; see test_slo_goodput.py)."""
 
 from __future__ import annotations
@@ -7,17 +7,29 @@ from router.types import LengthClass, Role
 from tests.unit.router.builders import plan_of, policy, request, view, worker
 
 
-def test_temporal_queues_let_short_requests_pass_long_work() -> None:
-    v = view(
-        worker("p_long_q", Role.PREFILL, long_tokens=8000, long_requests=1),  # long wait 0.81 s
-        worker("p_short_q", Role.PREFILL, short_tokens=2000, short_requests=2),  # 0.22 s
-        worker("d", Role.DECODE),
-    )
-    pol = policy(length_threshold_tokens=256)
-    short = plan_of(pol.plan(request(50), v, 0.0))
-    assert short.prefill_worker == "p_long_q" and short.length_class is LengthClass.SHORT
-    long = plan_of(pol.plan(request(2000), v, 0.0))
-    assert long.prefill_worker == "p_short_q" and long.length_class is LengthClass.LONG
+def test_short_requests_pass_long_work_only_where_the_engine_chunks_it() -> None:
+    def cluster(long_prefill_tokens: int):
+        return view(
+            # Queued: one 8000-token prompt, 0.81 s of work; with a 512-token long-prefill
+            # threshold a short arrival waits for one chunk of it, 0.06 s.
+            worker(
+                "p_long_q",
+                Role.PREFILL,
+                long_tokens=8000,
+                long_requests=1,
+                long_prefill_tokens=long_prefill_tokens,
+            ),
+            worker("p_short_q", Role.PREFILL, short_tokens=2000, short_requests=2),  # 0.22 s
+            worker("d", Role.DECODE),
+        )
+
+    for long_prefill_tokens, short_goes_to in ((0, "p_short_q"), (512, "p_long_q")):
+        pol = policy(length_threshold_tokens=256)
+        v = cluster(long_prefill_tokens)
+        short = plan_of(pol.plan(request(50), v, 0.0))
+        assert short.prefill_worker == short_goes_to and short.length_class is LengthClass.SHORT
+        long = plan_of(pol.plan(request(2000), v, 0.0))
+        assert long.prefill_worker == "p_short_q" and long.length_class is LengthClass.LONG
 
 
 def test_spatial_split_sends_each_class_to_its_pool() -> None:

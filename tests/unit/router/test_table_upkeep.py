@@ -87,10 +87,10 @@ def _reference_fill_row(t: WorkerTable, i: int, w: WorkerView) -> None:
     coeffs, queue_coeffs, budget = prefill_curve(w, model, held_total)
     p_margin = 1.0 + (model.prefill_error if s.use_error_margin else 0.0)
     t.pa[i], t.pb[i], t.pc[i] = coeffs.a * p_margin, coeffs.b * p_margin, coeffs.c * p_margin
-    mode = s.split_mode
     queued, counts, q = w.queued_tokens, w.queued_requests, queue_coeffs
-    t.wait_short_s[i] = queue_wait_s(q, queued, counts, LengthClass.SHORT, mode, budget) * p_margin
-    t.wait_long_s[i] = queue_wait_s(q, queued, counts, LengthClass.LONG, mode, budget) * p_margin
+    cap = w.long_prefill_tokens
+    t.wait_short_s[i] = queue_wait_s(q, queued, counts, LengthClass.SHORT, budget, cap) * p_margin
+    t.wait_long_s[i] = queue_wait_s(q, queued, counts, LengthClass.LONG, budget, cap) * p_margin
     num_running = len(w.running)
     dec = model.decode_coeffs
     d_margin = 1.0 + (model.decode_error if s.use_error_margin else 0.0)
@@ -240,6 +240,7 @@ def _snapshot(
         max_model_len=32768,
         prefix_digest=(),
         prefill_budget_tokens=rng.choice((0, 512, 2048)),
+        long_prefill_tokens=(0, 256)[seq % 2],  # not from rng: the traffic stays as it was
     )
 
 
