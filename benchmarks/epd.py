@@ -22,7 +22,8 @@ does (``loadgen.sim.images``: 448 px tiles, at most 12 and a thumbnail, 256 toke
 tile): the default is one tile an image; ``uniform:448-1344`` mixes 1, 5 and 10.
 The goodput at 90% attainment of a split: rates from 0.5 req/s per GPU up by
 ``--ladder`` until attainment drops under 90%, then ``--bisections`` halvings of
-the last gap; the goodput measured at the highest rate that kept 90%. The router's
+the last gap; the goodput measured at the highest rate that kept 90%
+(``benchmarks/epd_search.py``). The router's
 long/short prefill split is ``--length-split`` (``spatial`` as served: a pool of the
 prefill workers sized to the long prompts' share of the work takes them, here the image
 requests; ``temporal``: every prefill worker takes both, short ones first), the same for
@@ -73,16 +74,13 @@ import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
-from loadgen.arrivals import RateSpec  # noqa: E402
 from loadgen.metrics import GoodputSLO  # noqa: E402
 from loadgen.scenario import WorkloadConfig  # noqa: E402
-from loadgen.sim.profile import load_profile  # noqa: E402
-from loadgen.sim.run import SimConfig, simulate  # noqa: E402
-from router.front_door import RouterSettings  # noqa: E402
+from loadgen.scripts import load_script  # noqa: E402
 
-PROFILE = "internvl2-26b-h100"
-IMAGE_TOKENS = 256  # InternVL2: one 448x448 tile -> 256 image tokens
-TILE_PX, MAX_TILES = 448, 12  # InternVL2's dynamic resolution (loadgen.sim.images)
+# The goodput search of one role split (the simulated model, the rate ladder, 90%).
+_epd_search = load_script(_HERE / "epd_search.py", "bench_epd_search")
+
 SLO = GoodputSLO(ttft_ms=1500, tpot_ms=100)
 # The TTFT targets every split is searched at (ms). The goodput ratio follows the
 # target: both layouts do the same work on the same GPUs, so under a loose target they
@@ -101,8 +99,6 @@ TTFT_TARGETS_MS = (500.0, 600.0, 1000.0, 1500.0)
 # latency, not work (both layouts run the same work on the same GPUs): at a loose
 # target the two tie, and ``summary`` shows every target searched.
 TARGET = {"gpus": 16, "ttft_ms": 500.0, "ratio": 1.3}
-ATTAINMENT = 0.9
-MAX_RATE_PER_GPU = 16.0  # the search's top rate
 
 
 DECODE_SHARES = tuple(k / 16 for k in range(1, 9))  # of the GPUs, decoding
@@ -139,87 +135,6 @@ def workload(num_requests: int, seed: int, burstiness: float) -> WorkloadConfig:
     )
 
 
-def run_rate(
-    layout: dict[str, int], rps: float, base: WorkloadConfig, length_split: str, slo: GoodputSLO
-) -> dict[str, Any]:
-    profile = load_profile(PROFILE)
-    config = SimConfig(
-        workload=base,
-        rate=RateSpec(rps),
-        profile=profile,
-        router=RouterSettings(profile=profile, length_split=length_split),
-        policy="slo_goodput",
-        slo=slo,
-        image_tokens_per_image=IMAGE_TOKENS,
-        image_tile_px=TILE_PX,
-        max_image_tiles=MAX_TILES,
-        rebalance=False,  # same layout throughout: the comparison is of layouts
-        num_encode=layout.get("num_encode", 0),
-        num_prefill=layout["num_prefill"],
-        num_decode=layout["num_decode"],
-    )
-    s = simulate(config).summary
-    return {
-        "rate_rps": rps,
-        "p90_ttft_ms": s["p90_ttft_ms"],
-        "slo_attainment": s["slo_attainment"],
-        "request_goodput": s["request_goodput"],
-        "rejected": s["rejected"],
-    }
-
-
-def search_layout(
-    layout: dict[str, int],
-    gpus: int,
-    base: WorkloadConfig,
-    ladder: float,
-    bisections: int,
-    length_split: str,
-    slo: GoodputSLO,
-) -> dict[str, Any]:
-    """Goodput at 90% attainment of one role split: rates from 0.5/GPU up by ``ladder``
-    until attainment drops under 90%, then ``bisections`` halvings (in log rate) of the
-    last gap. Every split gets the same search."""
-    rows: list[dict[str, Any]] = []
-    low, high = None, None
-    for rps in ladder_rates(gpus, ladder):
-        row = run_rate(layout, round(rps, 3), base, length_split, slo)
-        rows.append(row)
-        if row["slo_attainment"] < ATTAINMENT:
-            high = rps
-            break
-        low = rps
-        # still at 90% at the cap (the last rate): "at_90" is a lower bound ("capped")
-    if low is not None and high is not None:
-        for _ in range(bisections):
-            mid = (low * high) ** 0.5
-            row = run_rate(layout, round(mid, 3), base, length_split, slo)
-            rows.append(row)
-            low, high = (mid, high) if row["slo_attainment"] >= ATTAINMENT else (low, mid)
-    rows.sort(key=lambda r: r["rate_rps"])
-    at_90 = goodput_at_attainment(rows)
-    at_90["capped"] = high is None  # never dropped under 90%: the search's top rate held
-    return {"layout": layout, "sweep": rows, "at_90": at_90}
-
-
-def ladder_rates(gpus: int, ladder: float) -> list[float]:
-    """The search's ladder: 0.5 req/s per GPU, times ``ladder`` each step, up to the cap."""
-    rates, rps, cap = [], 0.5 * gpus, MAX_RATE_PER_GPU * gpus
-    while True:
-        rates.append(rps)
-        if rps >= cap:
-            return rates
-        rps = min(rps * ladder, cap)
-
-
-def goodput_at_attainment(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    good = [r for r in rows if r["slo_attainment"] >= ATTAINMENT]
-    if not good:
-        return {"rate_rps": None, "request_goodput": 0.0, "p90_ttft_ms": None}
-    best = max(good, key=lambda r: r["rate_rps"])
-    return {k: best[k] for k in ("rate_rps", "request_goodput", "p90_ttft_ms")}
-
-
 def p90_ttft_by_rate(
     splits: dict[str, list[dict[str, Any]]], rates: list[float]
 ) -> list[dict[str, Any]]:
@@ -245,7 +160,9 @@ def _search(
     job: tuple[str, dict[str, int], int, WorkloadConfig, float, int, str, GoodputSLO],
 ) -> Any:
     name, layout, gpus, base, ladder, bisections, length_split, slo = job
-    return name, search_layout(layout, gpus, base, ladder, bisections, length_split, slo)
+    return name, _epd_search.search_layout(
+        layout, gpus, base, ladder, bisections, length_split, slo
+    )
 
 
 def simulated(args: argparse.Namespace) -> dict[str, Any]:
@@ -257,12 +174,16 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
 
     slos = [replace(SLO, ttft_ms=ttft_ms) for ttft_ms in dict.fromkeys(args.ttft_ms)]
     out: dict[str, Any] = {
-        "profile": PROFILE,
+        "profile": _epd_search.PROFILE,
         "slo_ms": {"ttft": [slo.ttft_ms for slo in slos], "tpot": SLO.tpot_ms},
-        "attainment": ATTAINMENT,
+        "attainment": _epd_search.ATTAINMENT,
         "image_size": args.image_size,
-        "image_tokens_per_tile": IMAGE_TOKENS,
-        "image_tiles": {"tile_px": TILE_PX, "max_tiles": MAX_TILES, "thumbnail": True},
+        "image_tokens_per_tile": _epd_search.IMAGE_TOKENS,
+        "image_tiles": {
+            "tile_px": _epd_search.TILE_PX,
+            "max_tiles": _epd_search.MAX_TILES,
+            "thumbnail": True,
+        },
         "search": {"ladder": args.ladder, "bisections": args.bisections},
         "length_split": args.length_split,
         "results": {},
@@ -287,7 +208,7 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
                 print(progress_line(k, len(jobs), gpus, slo, name, result), file=sys.stderr)
         by_target = out["results"][str(gpus)] = {}
         for slo in slos:
-            entry = compare(runs[slo.ttft_ms], ladder_rates(gpus, args.ladder))
+            entry = compare(runs[slo.ttft_ms], _epd_search.ladder_rates(gpus, args.ladder))
             by_target[f"{slo.ttft_ms:g}"] = entry
             out["summary"].append(
                 {
@@ -408,8 +329,6 @@ def main() -> None:
     if args.live_prefill < 1:
         parser.error(f"--live-prefill must be at least 1, got {args.live_prefill}")
     if args.live:
-        from loadgen.scripts import load_script
-
         started_cpu = time.process_time()
         result = load_script(_HERE / "epd_live.py", "bench_epd_live").live(args)
         result["client_cpu_s"] = time.process_time() - started_cpu

@@ -45,6 +45,7 @@ from loadgen.scripts import load_script
 
 _HERE = Path(__file__).resolve().parent
 _epd = load_script(_HERE / "epd.py", "bench_epd")
+_epd_search = load_script(_HERE / "epd_search.py", "bench_epd_search")
 
 LIVE_SLO = GoodputSLO(ttft_ms=2000, tpot_ms=200)
 LIVE_LAYOUTS = ("epd", "encode_colocated")
@@ -320,7 +321,11 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
                 ]
             finally:
                 stop(proc, grace_s=60)
-            out[name] = {"layout": layout, "sweep": rows, "at_90": _epd.goodput_at_attainment(rows)}
+            out[name] = {
+                "layout": layout,
+                "sweep": rows,
+                "at_90": _epd_search.goodput_at_attainment(rows),
+            }
     out["live_target"] = live_verdict(
         [
             {
