@@ -36,8 +36,9 @@ from loadgen.metrics import RequestRecord
 from loadgen.sim.images import ImageTokens
 from loadgen.sim.prefix_cache import PrefixCaches
 from loadgen.sim.profile import Profile
+from loadgen.sim.request import SimRequest
 from loadgen.sim.telemetry import RunningSets, SimReport, same_state
-from loadgen.sim.worker import Admission, SimRequest, SimWorker
+from loadgen.sim.worker import Admission, SimWorker
 from loadgen.workload import RequestSpec
 from router.front_door import Hold, Router
 from router.types import SLO, Plan, RequestProfile, Role, StepSample
@@ -445,7 +446,7 @@ class SimCluster:
             num_total_blocks=w.profile.num_kv_blocks,
             num_free_blocks=max(0, (w.capacity_tokens - used_tokens) // prof.block_size),
             running=running,
-            waiting_prompt_lens=tuple([r.prefill_left for r in w.queue]),
+            waiting_prompt_lens=w.prompt_tokens_to_compute(),
             recent_steps=tuple(self._steps[w.worker_id]),
             kv_bytes_per_token=prof.kv_bytes_per_token,
             max_num_seqs=prof.max_num_seqs,

@@ -124,6 +124,17 @@ class SimWorker:
         """Nothing queued, running, landing or on its way here (a drain is over)."""
         return not (self.busy or self.queue or self.waiting or self.running or self.num_inbound)
 
+    def prompt_tokens_to_compute(self) -> tuple[int, ...]:
+        """Each prompt's tokens not yet computed as at the start of the step in flight,
+        in the order the engine takes them: the prompts whose last chunk is in the step,
+        then the queue (a prompt cut by the budget or the threshold stays there). A
+        worker's engine reports this between two steps (``waiting_prompt_lens``), where
+        the step about to run is still to come; reported mid-step without the chunks in
+        flight, the queue looked a step shorter than a request arriving then waits for
+        (a step of 8192 tokens is 0.26 s on llama3-8b-h100)."""
+        in_flight = [n for req, n in self._chunks if n == req.prefill_left]
+        return tuple(in_flight + [r.prefill_left for r in self.queue])
+
     def enqueue_prefill(self, req: SimRequest, now_s: float) -> None:
         self.queue.append(req)
         self.mark_dirty()

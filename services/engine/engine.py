@@ -369,7 +369,7 @@ class LLMEngine:
             num_cached_blocks=bm.num_cached_blocks,
             num_held_blocks=bm.num_held_blocks,
             running=self.scheduler.running_stats(),
-            waiting_prompt_lens=tuple(r.num_tokens for r in self.scheduler.waiting),
+            waiting_prompt_lens=self.scheduler.prompt_tokens_to_compute(),
             recent_steps=tuple(self._recent_steps),
             recent_output_lens=tuple(self._recent_output_lens),
             num_preemptions=self.scheduler.num_preemptions,

@@ -265,6 +265,8 @@ class EngineStats:
     num_cached_blocks: int  # unreferenced blocks kept for prefix reuse
     num_held_blocks: int  # kept for a remote puller (prefill-only requests)
     running: tuple[RunningRequestStats, ...]
+    # Each prompt's tokens still to compute before its first token, in the order the
+    # scheduler takes them: running prompts part-way through their chunks, then the queue.
     waiting_prompt_lens: tuple[int, ...]
     recent_steps: tuple[StepStats, ...]
     recent_output_lens: tuple[int, ...]  # output lengths of recently finished requests

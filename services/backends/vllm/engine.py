@@ -329,7 +329,11 @@ class VllmEngine:
             num_cached_blocks=0,
             num_held_blocks=sum(n for _, n in self._held.values()),
             running=running,
-            waiting_prompt_lens=tuple(int(r.num_prompt_tokens) for r in scheduler.waiting),
+            waiting_prompt_lens=tuple(
+                int(r.num_prompt_tokens - r.num_computed_tokens)
+                for r in (*scheduler.running, *scheduler.waiting)
+                if r.num_computed_tokens < r.num_prompt_tokens
+            ),
             recent_steps=tuple(self._recent_steps),
             recent_output_lens=tuple(self._recent_output_lens),
             num_preemptions=sum(int(r.num_preemptions) for r in scheduler.requests.values()),

@@ -1,4 +1,5 @@
-"""The telemetry snapshot carries what the router prices a worker's queue with."""
+"""The telemetry snapshot carries what the router prices a worker's queue with: the step
+budget, the long-prefill threshold and every prompt token still to compute."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def test_snapshot_reports_the_step_budget_and_the_long_prefill_threshold() -> No
     snap = build_snapshot(engine, loop)
     assert snap.prefill_budget_tokens == 48
     assert snap.long_prefill_tokens == 16
-    # Each request computed one chunk, not a whole prompt.
+    # Each request computed one chunk, not a whole prompt; the rest is still to compute.
     assert sorted(r.num_tokens_held for r in snap.running) == [16, 16]
+    assert snap.waiting_prompt_lens == (24, 24)
     assert build_snapshot(make_engine(), loop).long_prefill_tokens == 0
