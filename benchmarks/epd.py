@@ -26,10 +26,11 @@ the last gap; the goodput measured at the highest rate that kept 90%
 (``benchmarks/epd_search.py``). The router's
 long/short prefill split is ``--length-split`` (``spatial`` as served: a pool of the
 prefill workers sized to the long prompts' share of the work takes them, here the image
-requests; ``temporal``: every prefill worker takes both, short ones first), the same for
-both layouts. Every split is searched at each TTFT target of ``--ttft-ms`` (default
-500, 600, 1000 and 1500 ms; TPOT 100 ms): goodput at 90% attainment is a property of the
-target, and the ratio of the two layouts' goodput follows it (``TTFT_TARGETS_MS``).
+requests; ``temporal``: every prefill worker takes both, its queue priced as its engine
+serves it), the same for both layouts. Every split is searched at each TTFT target of
+``--ttft-ms`` (default 500, 600, 1000 and 1500 ms; TPOT 100 ms): goodput at 90%
+attainment is a property of the target, and the ratio of the two layouts' goodput
+follows it (``TTFT_TARGETS_MS``).
 One JSON object on stdout: per GPU count and target, every split's sweep, the best of
 each layout, their ratio, and at each rate both layouts ran, the least p90 TTFT of
 each (the latency it offers at that load); a ``summary`` row per GPU count and target;
