@@ -235,10 +235,7 @@ def queue_waits_s(
         return long_s, long_s  # first come, first served (or each long prompt is one chunk)
     # The queued SHORT work and the chunks run together in the SHORT request's steps.
     tokens = short_tokens + chunks
-    if budget_tokens > 0:
-        steps = -(-tokens // budget_tokens)
-    else:
-        steps = num_long + (num_short if short_tokens > 0 else 0)
+    steps = _num_steps(budget_tokens, tokens, num_long + (num_short if short_tokens > 0 else 0))
     squares = float(num_long * long_prefill_tokens * long_prefill_tokens)
     if short_tokens > 0:
         squares += short_tokens * short_tokens / num_short
@@ -249,8 +246,14 @@ def _queued_work_s(coeffs: QuadCoeffs, budget_tokens: int, tokens: int, count: i
     """``s·a + b·T + c·T²/k`` for ``k`` queued requests of ``T`` tokens in all."""
     if tokens <= 0:
         return 0.0
-    steps = -(-tokens // budget_tokens) if budget_tokens > 0 else count
+    steps = _num_steps(budget_tokens, tokens, count)
     return steps * coeffs.a + coeffs.b * tokens + coeffs.c * tokens * tokens / count
+
+
+def _num_steps(budget_tokens: int, tokens: int, count: int) -> int:
+    """Steps the engine takes for ``tokens`` of ``count`` prompts: ``⌈tokens / budget⌉``,
+    or one a prompt where the budget is unknown (0)."""
+    return -(-tokens // budget_tokens) if budget_tokens > 0 else count
 
 
 def prefill_curve(

@@ -1,5 +1,5 @@
-"""slo_goodput's length classes: queues as the engine serves them, the spatial pool and its size, on
-constructed views (``builders.PROFILE``; see test_slo_goodput.py)."""
+"""slo_goodput's length classes: queues as the engine serves them, the spatial pool and
+its size, on constructed views (``builders.PROFILE``; see test_slo_goodput.py)."""
 
 from __future__ import annotations
 
