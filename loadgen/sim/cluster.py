@@ -28,7 +28,6 @@ router rebuilds only the reported workers' views.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -37,7 +36,7 @@ from loadgen.sim.images import ImageTokens
 from loadgen.sim.prefix_cache import PrefixCaches
 from loadgen.sim.profile import Profile
 from loadgen.sim.request import SimRequest
-from loadgen.sim.telemetry import RunningSets, SimReport, same_state
+from loadgen.sim.telemetry import Reports
 from loadgen.sim.worker import Admission, SimWorker
 from loadgen.workload import RequestSpec
 from router.front_door import Hold, Router
@@ -98,16 +97,9 @@ class SimCluster:
         self._dirty: list[SimWorker] = []
         self.workers = [self._new_worker(f"{role.value}-{i}", role) for i, role in enumerate(roles)]
         self._by_id = {w.worker_id: w for w in self.workers}
-        self._seq = {w.worker_id: 0 for w in self.workers}
-        self._steps: dict[str, deque[StepSample]] = {
-            w.worker_id: deque(maxlen=4) for w in self.workers
-        }
         self._prefixes = PrefixCaches(w.worker_id for w in self.workers)
+        self._reports = Reports(profile, (w.worker_id for w in self.workers), self._prefixes)
         self._link_free_s: dict[str, float] = {w.worker_id: 0.0 for w in self.workers}
-        # Per worker, the running set it last reported: (running_version, steps into the
-        # segment, the tuple). Reported again unchanged, it is the same tuple.
-        self._running_sets = RunningSets()
-        self._sent: dict[str, SimReport] = {}  # per worker, the last report the router took
         self._heap: list[tuple[float, int, int, object, int]] = []
         self._event_seq = 0
         self._rebalance = rebalance and router.pressure() is not None
@@ -252,13 +244,11 @@ class SimCluster:
     def _report_changed(self, now_s: float) -> None:
         """Telemetry: every worker whose state changed since the last decision reports."""
         update = self.router.update
-        sent = self._sent
+        news = self._reports.news
         for worker in self._dirty:
-            report = self._report(worker, now_s)
-            last = sent.get(worker.worker_id)
-            if last is None or not same_state(last, report):
+            report = news(worker, now_s)
+            if report is not None:
                 update(report)
-                sent[worker.worker_id] = report
             worker.dirty = False
         self._dirty.clear()
 
@@ -376,7 +366,7 @@ class SimCluster:
         if sample.num_decode_seqs:
             self.itl_values_s.append(sample.duration_s)
             self.itl_weights.append(float(steps * sample.num_decode_seqs))
-        self._steps[worker.worker_id].append(sample)
+        self._reports.record_step(worker.worker_id, sample)
 
     # ---- the P/D ratio rebalancer ------------------------------------------------
     def _start_rebalancing(self, now_s: float) -> None:
@@ -428,29 +418,3 @@ class SimCluster:
     def _cache_insert(self, worker: SimWorker, req: SimRequest) -> None:
         self._prefixes.insert(worker.worker_id, req, worker.capacity_tokens)
         worker.mark_dirty()
-
-    # ---- telemetry --------------------------------------------------------------------
-    def _report(self, w: SimWorker, now_s: float) -> SimReport:
-        """What the worker's engine would report now (``WorkerSnapshot``'s fields)."""
-        k = w.progress_at(now_s)
-        running = self._running_sets.at(w, k)
-        used_tokens = w.used_tokens + k * len(w.running)
-        prof = self.profile
-        seq = self._seq[w.worker_id] = self._seq[w.worker_id] + 1
-        return SimReport(
-            worker_id=w.worker_id,
-            role=w.role,
-            draining=w.draining,
-            seq=seq,
-            block_size=prof.block_size,
-            num_total_blocks=w.profile.num_kv_blocks,
-            num_free_blocks=max(0, (w.capacity_tokens - used_tokens) // prof.block_size),
-            running=running,
-            waiting_prompt_lens=w.prompt_tokens_to_compute(),
-            recent_steps=tuple(self._steps[w.worker_id]),
-            kv_bytes_per_token=prof.kv_bytes_per_token,
-            max_num_seqs=prof.max_num_seqs,
-            prefix_digest=self._prefixes.digest(w.worker_id),
-            prefill_budget_tokens=w.budget_tokens,
-            long_prefill_tokens=w.long_prefill_tokens,
-        )

@@ -8,11 +8,13 @@ landed before its next step) is not sent, as it would only rebuild the same row.
 
 from __future__ import annotations
 
+import pytest
+
 from loadgen.arrivals import RateSpec
 from loadgen.scenario import WorkloadConfig, build_requests
 from loadgen.sim.cluster import SimCluster
 from loadgen.sim.profile import load_profile
-from loadgen.sim.telemetry import SimReport
+from loadgen.sim.telemetry import Reports, SimReport
 from loadgen.sim.worker import SimWorker
 from router.front_door import Router, RouterSettings, WorkerReport
 from router.types import SLO, Role
@@ -70,23 +72,22 @@ def test_a_worker_never_sends_the_router_what_it_already_has() -> None:
         last[report.worker_id] = report
 
 
-class _ReportLog(SimCluster):
-    """Keeps every report built, sent to the router or not."""
+def test_an_unmoved_running_set_is_reported_as_the_same_tuple(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[SimReport] = []  # every report built, sent to the router or not
+    build = Reports.build
 
-    built: list[SimReport]
-
-    def _report(self, w: SimWorker, now_s: float) -> SimReport:
-        report = super()._report(w, now_s)
-        self.built.append(report)
+    def logged(self: Reports, w: SimWorker, now_s: float) -> SimReport:
+        report = build(self, w, now_s)
+        built.append(report)
         return report
 
-
-def test_an_unmoved_running_set_is_reported_as_the_same_tuple() -> None:
+    monkeypatch.setattr(Reports, "build", logged)
     profile = load_profile()
-    cluster = _ReportLog(
+    cluster = SimCluster(
         profile, Router(RouterSettings(profile=profile)), [Role.PREFILL, Role.DECODE], SLO(2.0, 0.2)
     )
-    cluster.built = []
     workload = WorkloadConfig(
         input_len="lognormal:mean=300,sigma=1.0",
         output_len="lognormal:mean=60,sigma=1.0",
@@ -96,7 +97,7 @@ def test_an_unmoved_running_set_is_reported_as_the_same_tuple() -> None:
     cluster.run_open_loop(build_requests(workload, RateSpec(20.0)))
     last: dict[str, SimReport] = {}
     num_same, num_moved = 0, 0
-    for report in cluster.built:
+    for report in built:
         before = last.get(report.worker_id)
         if before is not None and report.running:
             if report.running == before.running:
