@@ -3,9 +3,10 @@
 It owns everything around ``policy.plan`` that used to exist once per caller:
 
 * the **settings**, frozen once (``RouterSettings``, router/settings.py: seconds and defaults applied);
-* the **cluster view**, kept incrementally: ``update(report)`` rebuilds only that
-  worker's ``WorkerView`` and the other workers keep their objects, so the policy's
-  per-worker caches (``WorkerTable.sync`` compares by identity) recompute one row;
+* the **cluster view** (``live``, a ``router.live_view.LiveView``), kept
+  incrementally: ``update(report)`` rebuilds only that worker's ``WorkerView`` and the
+  other workers keep their objects, so the policy's per-worker caches
+  (``WorkerTable.sync`` compares by identity) recompute one row;
 * the **reservations**: a placed plan is added to its workers' views until each
   worker's telemetry counts it (``router.reservations``: a worker's first event,
   ``release(id, worker)``, ends what was queued there; what runs there stays until the
@@ -37,7 +38,6 @@ the corrected predictions say will miss.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from dataclasses import dataclass
 
 from router import live_speed
@@ -46,11 +46,12 @@ from router.correction import Outcome, OutcomeCorrector
 from router.image_parts import split_images
 from router.length import LengthClassifier, effective_prefill_tokens
 from router.links import Links
+from router.live_view import LiveView
 from router.planner import RatioPlanner, RoleFlip, RolePressure, choose_flip
 from router.policy import Policy, make_policy_from_settings
 from router.profile import TransferCoeffs
 from router.refusals import RefusalMeter
-from router.reservations import Reservations, worker_view
+from router.reservations import Reservations
 from router.settings import RouterSettings
 from router.types import (
     ClusterView,
@@ -59,19 +60,10 @@ from router.types import (
     RequestProfile,
     Role,
     WorkerReport,
-    WorkerView,
 )
 
 __all__ = ["Hold", "Router", "RouterSettings", "WorkerReport"]
 
-_OUTPUT_HISTORY = 256
-# Finished output lengths reach the view (the estimator's history H) this many at a
-# time: each new H is re-sorted and the policy's candidate ring redrawn. H is a window
-# of hundreds, which 8 lengths move by a few percent. With a request ending per
-# decision and each length published (when a new H also redrew the decode rows drawn
-# against the old one), 64-worker live decisions took 219 µs p50, against 129 µs
-# without endings (benchmarks/router.py, live); with both changes, 136 µs.
-_PUBLISH_OUTPUT_LENS_EVERY = 8
 _PROMPT_EMA_WEIGHT = 0.05  # the mean prompt length the ratio planner sizes prefill by
 
 
@@ -83,14 +75,6 @@ class Hold:
     retry_after_s: float
 
 
-@dataclass(slots=True)
-class _Worker:
-    report: WorkerReport
-    digest: frozenset[int]
-    view: WorkerView | None = None  # the last one built
-    view_report: WorkerReport | None = None  # the report ``view`` was built from
-
-
 class Router:
     def __init__(self, settings: RouterSettings, policy: Policy | None = None) -> None:
         self.settings = settings
@@ -100,19 +84,10 @@ class Router:
         self.policy = policy or make_policy_from_settings(
             settings.policy, settings.policy_options(self.classifier)
         )
-        self._workers: dict[str, _Worker] = {}
-        self._dead: set[str] = set()
         self._reservations = Reservations()
         self._observed: set[str] = set()  # request ids whose length θ has seen
-        self._output_lens: deque[int] = deque(maxlen=_OUTPUT_HISTORY)
-        self._output_tuple: tuple[int, ...] = ()
-        self._num_unpublished = 0  # lengths observed since the view's H was built
-        self._view: ClusterView | None = None
-        # The view's workers in order; None: a worker joined or left, rebuild the order.
-        self._slots: list[WorkerView] | None = None
-        self._index: dict[str, int] = {}
-        self._stale: set[str] = set()  # workers whose view must be rebuilt
         self._links = Links(settings.profile.transfer)
+        self.live = LiveView(self._reservations, self._links, self.classifier)
         self._planner = RatioPlanner(interval_s=settings.rebalance_interval_s)
         self.mean_prompt_tokens = 0.0
         self.corrector = OutcomeCorrector(settings.correction)
@@ -122,51 +97,31 @@ class Router:
     # -- telemetry ---------------------------------------------------------------------
     def update(self, report: WorkerReport) -> None:
         """Take a worker's snapshot; only that worker's view is rebuilt (lazily)."""
-        wid = report.worker_id
-        if wid in self._dead:
-            return
-        known = self._workers.get(wid)
-        if known is not None and report.seq <= known.report.seq:
-            return  # out of order
-        if known is None:
-            digest = frozenset(report.prefix_digest)
-            self._workers[wid] = _Worker(report, digest)
-            self._slots = None
-        else:
-            if known.report.role != report.role:
-                self.admission.forget(wid)  # its predictions are a new role's now
-            if known.report.prefix_digest != report.prefix_digest:
-                known.digest = frozenset(report.prefix_digest)
-            known.report = report
-            self._reservations.counted(wid, report.seq)  # started there: counted now
-        self._stale.add(wid)
-        self._view = None
+        before = self.live.report(report.worker_id)
+        if self.live.update(report) and before is not None and before.role != report.role:
+            self.admission.forget(report.worker_id)  # its predictions are a new role's now
 
     def mark_dead(self, worker_id: str) -> None:
-        self._dead.add(worker_id)
-        if self._workers.pop(worker_id, None) is not None:
-            self._slots = None
-            self._stale.discard(worker_id)
-            self._view = None
+        self.live.mark_dead(worker_id)
         for wid in self._reservations.drop_worker(worker_id):
-            self._invalidate(wid)
+            self.live.invalidate(wid)
         self._links.forget(worker_id)
         self.admission.forget(worker_id)
 
     def revive(self, worker_id: str) -> None:
         """A new worker under an id marked dead (a control plane started anew reuses its
         workers' ids): its reports count again."""
-        self._dead.discard(worker_id)
+        self.live.revive(worker_id)
 
     def is_alive(self, worker_id: str) -> bool:
-        return worker_id in self._workers
+        return self.live.is_alive(worker_id)
 
     def reports(self) -> dict[str, WorkerReport]:
-        return {wid: w.report for wid, w in self._workers.items()}
+        return self.live.reports()
 
     def has_workers(self) -> bool:
         """Whether any live worker has reported (asked on every request: no copy)."""
-        return bool(self._workers)
+        return self.live.has_workers()
 
     def observe_outcome(self, output_len: int, outcome: Outcome | None = None) -> None:
         """A finished request's output length (the history H of the KV estimator, which
@@ -176,37 +131,12 @@ class Router:
         if outcome is not None:
             self.corrector.observe(outcome)
             self.admission.observe(outcome)
-        self._output_lens.append(output_len)
-        self._num_unpublished += 1
-        if self._num_unpublished >= _PUBLISH_OUTPUT_LENS_EVERY or not self._output_tuple:
-            self._num_unpublished = 0
-            self._output_tuple = ()
-            self._view = None
+        self.live.observe_output_len(output_len)
 
     # -- deciding ----------------------------------------------------------------------
     def view(self) -> ClusterView:
         """The cluster as the policy sees it: telemetry plus reservations."""
-        view = self._view
-        if view is not None:
-            return view
-        if not self._output_tuple and self._output_lens:
-            self._output_tuple = tuple(self._output_lens)
-        slots = self._slots
-        stale = self._stale
-        if slots is None:
-            self._index = {wid: i for i, wid in enumerate(self._workers)}
-            slots = self._slots = []
-            for wid, w in self._workers.items():
-                if w.view is None or wid in stale:
-                    w.view = self._worker_view(wid, w)
-                slots.append(w.view)
-        else:
-            for wid in stale:
-                w = self._workers[wid]
-                w.view = slots[self._index[wid]] = self._worker_view(wid, w)
-        stale.clear()
-        view = self._view = ClusterView(tuple(slots), self._output_tuple)
-        return view
+        return self.live.view()
 
     def arrive(self, profile: RequestProfile) -> None:
         """A request reached the front door: θ, the length classes' shares and the mean
@@ -255,7 +185,7 @@ class Router:
                 self.recent_slowdown(decode),
                 self.recent_slowdown(decision.prefill_worker, prefill=True),
                 live_speed.shared_step_deadline_s(
-                    self._report(decision.prefill_worker),
+                    self.live.report(decision.prefill_worker),
                     self._reservations,
                     decision.prefill_worker,
                 ),
@@ -278,17 +208,17 @@ class Router:
             self._observed.discard(request_id)
             changed = self._reservations.drop(request_id)
         else:
-            known = self._workers.get(worker_id)
-            seq = None if known is None else known.report.seq
+            report = self.live.report(worker_id)
+            seq = None if report is None else report.seq
             changed = self._reservations.start(request_id, worker_id, seq)
         for wid in changed:
-            self._invalidate(wid)
+            self.live.invalidate(wid)
 
     def unreserve(self, request_id: str, worker_id: str) -> None:
         """The request will not run on ``worker_id`` (its plan was abandoned there): its
         part of the reservation goes now, whatever it was."""
         for wid in self._reservations.drop(request_id, worker_id):
-            self._invalidate(wid)
+            self.live.invalidate(wid)
 
     def observe_transfer(
         self, prefill_worker: str, decode_worker: str, num_bytes: int, duration_s: float
@@ -297,7 +227,7 @@ class Router:
         links are refitted (a pair is priced by its slower end)."""
         for wid in (prefill_worker, decode_worker):
             if self._links.observe(wid, num_bytes, duration_s):
-                self._invalidate(wid)
+                self.live.invalidate(wid)
 
     def observe_encode(self, worker_id: str, num_image_tokens: int, duration_s: float) -> None:
         """An encode on ``worker_id`` took ``duration_s`` (worker clock): for a policy
@@ -340,28 +270,23 @@ class Router:
 
     def recent_step_s(self, worker_id: str) -> float:
         """The decode worker's speed as it is now (``router.live_speed.recent_step_s``)."""
-        return live_speed.recent_step_s(self._report(worker_id), self._reservations, worker_id)
+        return live_speed.recent_step_s(self.live.report(worker_id), self._reservations, worker_id)
 
     def recent_slowdown(self, worker_id: str, *, prefill: bool = False) -> live_speed.Slowdown:
         """How ``worker_id``'s last few steps ran against its model while it has work
         (``router.live_speed.recent_slowdown``)."""
         cost_model = getattr(self.policy, "cost_model", None)
         return live_speed.recent_slowdown(
-            self._report(worker_id),
+            self.live.report(worker_id),
             self._reservations,
             worker_id,
             cost_model if callable(cost_model) else None,
             prefill=prefill,
         )
 
-    def _report(self, worker_id: str) -> WorkerReport | None:
-        w = self._workers.get(worker_id)
-        return None if w is None else w.report
-
     def block_size(self) -> int | None:
         """The KV block size prompts are hashed by for prefix matching (the smallest)."""
-        sizes = [w.report.block_size for w in self._workers.values()]
-        return min(sizes) if sizes else None
+        return self.live.block_size()
 
     def num_reservations(self) -> int:
         return len(self._reservations)
@@ -393,7 +318,7 @@ class Router:
         """Hold what ``plan`` will take on its workers until ``release`` (``place`` does
         this for its plans, at ``placed_s``; for a plan made elsewhere, e.g. an operator
         pinning)."""
-        report = self._report(plan.prefill_worker)
+        report = self.live.report(plan.prefill_worker)
         changed = self._reservations.add(
             profile,
             plan,
@@ -403,26 +328,7 @@ class Router:
             self.admission.ttft_deadline_s(profile, self.settings.default_slo),
         )
         for wid in changed:
-            self._invalidate(wid)
-
-    def _invalidate(self, worker_id: str) -> None:
-        if worker_id in self._workers:
-            self._stale.add(worker_id)
-            self._view = None
-
-    def _worker_view(self, wid: str, w: _Worker) -> WorkerView:
-        last = w.view
-        previous = last.running if last is not None and w.view_report is w.report else None
-        w.view_report = w.report
-        return worker_view(
-            wid,
-            w.report,
-            w.digest,
-            self._links.shown(wid),
-            self.classifier.threshold_tokens,
-            self._reservations.on(wid),
-            previous,
-        )
+            self.live.invalidate(wid)
 
 
 def _with_encode_worker(plan: Plan, view: ClusterView, tokens: tuple[float, ...]) -> Plan:

@@ -126,7 +126,8 @@ def _snapshot(rng: random.Random, wid: str, role: Role, seq: int) -> WorkerSnaps
 
 def _reference_view_fields(r: Router, wid: str) -> tuple[object, ...]:
     """``Router._worker_view`` as it was, reduced to what it computed."""
-    s = r._workers[wid].report
+    s = r.live.report(wid)
+    assert s is not None
     classify = r.classifier.classify
     queued_tokens = {LengthClass.SHORT: 0, LengthClass.LONG: 0}
     queued_requests = {LengthClass.SHORT: 0, LengthClass.LONG: 0}
@@ -185,12 +186,13 @@ def test_views_and_plans_equal_the_replaced_view_on_random_traffic(seed: int) ->
                 placed.append(profile.request_id)
                 num_plans += 1
         for wid in roles:  # rebuilt now, under today's θ, as the reference is
-            router._invalidate(wid)
+            router.live.invalidate(wid)
         view = {w.worker_id: w for w in router.view().workers}
         for wid in roles:
             w = view[wid]
             got = (w.queued_tokens, w.queued_requests, w.running, w.num_free_blocks)
             assert (*got, w.inbound_tokens) == _reference_view_fields(router, wid)
             if not router._reservations.on(wid):  # nothing reserved: the report's own tuple
-                assert w.running is router._workers[wid].report.running
+                report = router.live.report(wid)
+                assert report is not None and w.running is report.running
     assert num_plans > 20
