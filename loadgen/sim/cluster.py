@@ -6,7 +6,7 @@ Event loop (one heap, ordered by time then sequence number)::
     RETRY      a held request asks again      -> router.place(...)
     STEP_END   a worker's step/segment ends   -> tokens advance, finishes recorded
     LANDED     a KV transfer completes        -> decode worker may admit it
-    ENCODED    an encode worker's encode (FIFO per worker) and the embeddings' pull
+    ENCODED    an encode worker's encode (FIFO per worker: encoders.py) and the embeddings' pull
                are done -> the request joins its prefill worker's queue once its
                last part has landed (a plan may split the images over several
                encode workers, which encode their parts at once); a request
@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from loadgen.metrics import RequestRecord
+from loadgen.sim.encoders import EncodeQueues, Encoding
 from loadgen.sim.images import ImageTokens
 from loadgen.sim.prefix_cache import PrefixCaches
 from loadgen.sim.profile import Profile
@@ -46,14 +47,6 @@ __all__ = ["SimCluster"]
 
 _ARRIVAL, _RETRY, _STEP_END, _LANDED, _REBALANCE, _FLIPPED, _ENCODED = range(7)
 _PROGRESS_EVERY = 50_000  # events between progress calls (a few per second of CPU)
-
-
-@dataclass(frozen=True, slots=True)
-class _Encoding:
-    request: SimRequest
-    encoder_id: str
-    encode_s: float
-    num_image_tokens: int  # this part's
 
 
 class SimCluster:
@@ -81,8 +74,7 @@ class SimCluster:
         self._progress = progress
         self._num_requests = 0
         self.image_tokens = image_tokens or ImageTokens(0)
-        self._encoder_free_s: dict[str, float] = {}  # encode worker -> when its queue empties
-        self._parts_left: dict[str, int] = {}  # request id -> encode parts not landed yet
+        self._encoders = EncodeQueues(profile)
         self.router = router
         self.slo = slo
         self.prefix_caching = prefix_caching
@@ -202,7 +194,7 @@ class SimCluster:
                 assert isinstance(payload, SimWorker)
                 self._flipped(payload, now_s)
             elif kind == _ENCODED:
-                assert isinstance(payload, _Encoding)
+                assert isinstance(payload, Encoding)
                 self._encoded(payload, now_s)
             else:
                 assert isinstance(payload, SimRequest)
@@ -269,34 +261,18 @@ class SimCluster:
             req.prefill_left = req.prefill_total = max(1, req.input_len - hit)
         if req.num_image_tokens:
             if plan.encode_worker is not None:
-                self._encode_remotely(req, plan, now_s)
+                for encoding in self._encoders.start(req, plan, now_s):
+                    self._push(encoding.landed_s, _ENCODED, encoding, 0)
                 return
             req.encode_s = self.profile.encode.encode_s(req.num_image_tokens)
         prefill.enqueue_prefill(req, now_s)
         self.router.release(req.request_id, prefill.worker_id)  # its queue counts it now
 
-    def _encode_remotely(self, req: SimRequest, plan: Plan, now_s: float) -> None:
-        """Each part FIFO on its encode worker, then its embeddings' pull (one link
-        latency); the parts of one request run at once on their workers."""
-        encode = self.profile.encode
-        parts = plan.encode_split(len(req.image_tokens))
-        self._parts_left[req.request_id] = len(parts)
-        for encoder_id, first, end in parts:
-            num_tokens = sum(req.image_tokens[first:end])
-            encode_s = encode.encode_s(num_tokens)
-            start_s = max(now_s, self._encoder_free_s.get(encoder_id, 0.0))
-            self._encoder_free_s[encoder_id] = start_s + encode_s
-            landed_s = start_s + encode_s + self.profile.transfer.latency_s
-            encoding = _Encoding(req, encoder_id, encode_s, num_tokens)
-            self._push(landed_s, _ENCODED, encoding, 0)
-
-    def _encoded(self, encoding: _Encoding, now_s: float) -> None:
+    def _encoded(self, encoding: Encoding, now_s: float) -> None:
         req, encoder_id, encode_s = encoding.request, encoding.encoder_id, encoding.encode_s
         self.router.release(req.request_id, encoder_id)  # as live: at its first event
         self.router.observe_encode(encoder_id, encoding.num_image_tokens, encode_s)
-        left = self._parts_left.pop(req.request_id) - 1
-        if left:
-            self._parts_left[req.request_id] = left
+        if not self._encoders.land(encoding):  # other parts still to land
             return
         prefill = req.prefill_worker
         assert prefill is not None
