@@ -1,22 +1,58 @@
 """``slo_goodput``'s checks over a ``WorkerTable``, apart from the plan that uses them:
-the colocated TPOT a prompt's chunks cause, the decode worker a candidate's
-past-future peak fits on, and the refusal when nothing is feasible. Functions of the
+the tokens a request prefills on each worker, the colocated TPOT a prompt's chunks
+cause, the decode worker a candidate's past-future peak fits on, the refusal when
+nothing is feasible, and each role's pressure for the ratio planner. Functions of the
 table and their arguments only: the policy object (``router.policies.slo_goodput``)
 keeps the state."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from router.types import Reject, Role
+from router.length import effective_prefill_tokens
+from router.planner import RolePressure
+from router.types import SLO, Reject, RequestProfile, Role
 from router.worker_table import WorkerTable
 
-__all__ = ["any_true", "best_prefill_s", "colocated_tpot_s", "pick_decode", "refusal"]
+__all__ = [
+    "any_true",
+    "best_prefill_s",
+    "colocated_tpot_s",
+    "pick_decode",
+    "prefill_tokens",
+    "refusal",
+    "table_pressure",
+]
 
 
 def any_true(mask: np.ndarray) -> bool:
     """``mask.any()`` without the Python wrapper ``ndarray.any`` goes through."""
     return bool(np.count_nonzero(mask))
+
+
+def prefill_tokens(
+    t: WorkerTable, profile: RequestProfile, prefilling_codes: frozenset[int]
+) -> tuple[np.ndarray | float, float]:
+    """Effective prefill tokens: per worker from the prefix digests, else the gateway's;
+    and the fewest among the usable workers whose role code is in ``prefilling_codes``."""
+    if not profile.prefix_hashes:
+        least = float(max(1, effective_prefill_tokens(profile)))
+        n: np.ndarray | float = least
+    else:
+        matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
+        total = float(profile.num_prompt_tokens + profile.num_image_tokens)
+        n = np.empty(len(t.role))
+        n.fill(total)
+        least = total
+        block_size, role, usable = t.block_size, t.role, t.usable
+        for index, blocks in matched.items():  # a few workers: Python floats, same values
+            tokens = max(1.0, total - blocks * float(block_size[index]))
+            n[index] = tokens
+            if tokens < least and usable[index] and int(role[index]) in prefilling_codes:
+                least = tokens
+    return n, least
 
 
 def colocated_tpot_s(t: WorkerTable, n: float | np.ndarray, mean_output_len: float) -> np.ndarray:
@@ -110,3 +146,29 @@ def refusal(
     best_wait_s = float(np.min(np.where(prefill_capable, t.wait_short_s, np.inf)))
     retry_after_s = max(min_retry_after_s, best_wait_s)
     return Reject(reason, retry_after_s=retry_after_s, retryable=not hopeless)
+
+
+def table_pressure(
+    t: WorkerTable, mean_prompt_tokens: float, slo: SLO, mean_output_len: float, encode_b: float
+) -> RolePressure:
+    """Each role's load against its target, averaged over its usable workers, for the
+    ratio planner: prefill TTFT of a typical prompt behind today's queues, decode
+    estimated peak KV fraction and step time with one more request (``encode_b``: the
+    encode term's seconds per image token)."""
+    prefill, decode = t.is_role(Role.PREFILL), t.is_role(Role.DECODE)
+    mixed = t.is_role(Role.MIXED)
+    n = mean_prompt_tokens
+    ttft_s = t.wait_long_s + t.pa + n * (t.pb + n * t.pc)
+    encode = t.is_role(Role.ENCODE)
+    return RolePressure(
+        predicted_ttft_s=float(ttft_s[prefill].mean()) if prefill.any() else 0.0,
+        ttft_target_s=slo.ttft_s or math.inf,
+        decode_peak_fraction=float(t.fullness[decode].mean()) if decode.any() else 0.0,
+        predicted_tpot_s=float(t.step_base_s[decode].mean()) if decode.any() else 0.0,
+        tpot_target_s=slo.tpot_s or math.inf,
+        encode_wait_s=encode_b * float(t.queued_tokens[encode].mean()) if encode.any() else 0.0,
+        mixed_ttft_s=float(ttft_s[mixed].mean()) if mixed.any() else 0.0,
+        mixed_tpot_s=float(colocated_tpot_s(t, n, mean_output_len)[mixed].mean())
+        if mixed.any()
+        else 0.0,
+    )

@@ -71,14 +71,16 @@ import numpy as np
 from router.cost_model import CostModel
 from router.encode_fit import EncodeFit, price_encode, remote_for
 from router.estimator import sample_output_lengths_of_one, sorted_history
-from router.length import LengthClassifier, SplitMode, effective_prefill_tokens
+from router.length import LengthClassifier, SplitMode
 from router.planner import RolePressure
 from router.policies.slo_checks import (
     any_true,
     best_prefill_s,
     colocated_tpot_s,
     pick_decode,
+    prefill_tokens,
     refusal,
+    table_pressure,
 )
 from router.policy import register_policy
 from router.profile import DEFAULT_PROFILE, Profile, load_profile
@@ -206,29 +208,12 @@ class SloGoodput:
             self._table.size_long_pool(c.long_share, c.present_request_shares)
 
     def pressure(self, view: ClusterView, mean_prompt_tokens: float) -> RolePressure:
-        """Each role's load against its target, averaged over its usable workers, for
-        the ratio planner: prefill TTFT of a typical prompt behind today's queues,
-        decode estimated peak KV fraction and step time with one more request."""
+        """Each role's load against its target, for the ratio planner
+        (``slo_checks.table_pressure``)."""
         self.refresh(view)
-        t = self._table
-        prefill, decode = t.is_role(Role.PREFILL), t.is_role(Role.DECODE)
-        mixed = t.is_role(Role.MIXED)
-        n = mean_prompt_tokens
-        ttft_s = t.wait_long_s + t.pa + n * (t.pb + n * t.pc)
-        slo = self.default_slo
-        encode = t.is_role(Role.ENCODE)
         encode_b = self._encode_fit.estimate.b
-        return RolePressure(
-            predicted_ttft_s=float(ttft_s[prefill].mean()) if prefill.any() else 0.0,
-            ttft_target_s=slo.ttft_s or math.inf,
-            decode_peak_fraction=float(t.fullness[decode].mean()) if decode.any() else 0.0,
-            predicted_tpot_s=float(t.step_base_s[decode].mean()) if decode.any() else 0.0,
-            tpot_target_s=slo.tpot_s or math.inf,
-            encode_wait_s=encode_b * float(t.queued_tokens[encode].mean()) if encode.any() else 0.0,
-            mixed_ttft_s=float(ttft_s[mixed].mean()) if mixed.any() else 0.0,
-            mixed_tpot_s=float(colocated_tpot_s(t, n, self._mean_output_len)[mixed].mean())
-            if mixed.any()
-            else 0.0,
+        return table_pressure(
+            self._table, mean_prompt_tokens, self.default_slo, self._mean_output_len, encode_b
         )
 
     @property
@@ -377,30 +362,14 @@ class SloGoodput:
         return self._prefill_tokens(profile)[1]
 
     def _prefill_tokens(self, profile: RequestProfile) -> tuple[np.ndarray | float, float]:
-        """Effective prefill tokens: per worker from the prefix digests, else the
-        gateway's; and the fewest among the usable workers that prefill. Kept for the
-        ``plan`` of the same request on the same rows (the router asks for the fewest
-        first, with ``least_prefill_tokens``)."""
+        """``slo_checks.prefill_tokens``, kept for the ``plan`` of the same request on
+        the same rows (the router asks for the fewest first, with
+        ``least_prefill_tokens``)."""
         t = self._table
         cached = self._tokens_of
         if cached is not None and cached[0] is profile and cached[1] is t.workers:
             return cached[2], cached[3]
-        if not profile.prefix_hashes:
-            least = float(max(1, effective_prefill_tokens(profile)))
-            n: np.ndarray | float = least
-        else:
-            matched = t.prefix_index.matched_blocks(profile.prefix_hashes)
-            total = float(profile.num_prompt_tokens + profile.num_image_tokens)
-            n = np.empty(len(t.role))
-            n.fill(total)
-            least = total
-            block_size, role, usable = t.block_size, t.role, t.usable
-            prefilling = self._prefilling_codes
-            for index, blocks in matched.items():  # a few workers: Python floats, same values
-                tokens = max(1.0, total - blocks * float(block_size[index]))
-                n[index] = tokens
-                if tokens < least and usable[index] and int(role[index]) in prefilling:
-                    least = tokens
+        n, least = prefill_tokens(t, profile, self._prefilling_codes)
         self._tokens_of = (profile, t.workers, n, least)
         return n, least
 
