@@ -46,6 +46,7 @@ from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledRequest, Scheduler
 from services.engine.step_inputs import StepInputs, build_step_inputs
+from services.engine.validation import validate_request
 
 __all__ = ["EngineModelInfo", "LLMEngine"]
 
@@ -306,7 +307,7 @@ class LLMEngine:
             )
         )
 
-    # -- validation -------------------------------------------------------------
+    # -- validation (the message's own checks: validation.py) ---------------------
     def _admit(self, message: EngineRequest, *, resolve_images: bool = False) -> Request:
         """Validate a request (InvalidRequestError names the field) and start tracking it.
 
@@ -316,33 +317,8 @@ class LLMEngine:
         """
         if message.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {message.request_id!r}", "request_id")
-        message.sampling.validate()
+        validate_request(message, self._info.vocab_size, self._info.max_model_len)
         prompt = message.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self._info.vocab_size
-        if any(not 0 <= t < vocab for t in (*prompt, *message.output_token_ids)):
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
-        if message.sampling.top_k > vocab:
-            raise InvalidRequestError(
-                f"top_k must be at most the vocabulary size ({vocab}), or -1/0 for off",
-                "top_k",
-            )
-        if any(not 0 <= t < vocab for t in message.sampling.stop_token_ids):
-            raise InvalidRequestError(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
-        if any(not 0 <= t < vocab for t, _ in message.sampling.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        num_tokens = len(prompt) + len(message.output_token_ids)
-        if num_tokens >= self._info.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_tokens} tokens; this model's context is "
-                f"{self._info.max_model_len} (at least one must be left to generate)",
-                "prompt",
-            )
-        if len(message.output_token_ids) >= message.sampling.max_tokens:
-            raise InvalidRequestError(
-                "max_tokens already reached by the given outputs", "max_tokens"
-            )
         self.images.validate(prompt, message.images)
         r = Request.from_message(message)
         if message.images:
