@@ -34,6 +34,7 @@ from services.engine.messages import (
     StepStats,
     TokenLogprob,
 )
+from services.engine.validation import validate_request
 
 __all__ = ["FakeEngine", "FakeModelInfo", "FakeTokenizer", "make_fake_engine"]
 
@@ -220,17 +221,9 @@ class FakeEngine:
 
     # -- the fake model ----------------------------------------------------------
     def _validate(self, request: EngineRequest) -> None:
-        request.sampling.validate()
-        if request.sampling.top_k > _VOCAB:
-            raise InvalidRequestError(f"top_k must be at most {_VOCAB}", "top_k")
-        if not request.prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if len(request.prompt_token_ids) >= self._info.max_model_len:
-            raise InvalidRequestError(
-                f"prompt of {len(request.prompt_token_ids)} tokens is longer than the "
-                f"context length {self._info.max_model_len}",
-                "prompt",
-            )
+        """The embedded engine's checks (``validate_request``): a fake refuses what the
+        engine it stands in for refuses."""
+        validate_request(request, self._info.vocab_size, self._info.max_model_len)
 
     def _new_seq(self, request: EngineRequest) -> _Seq:
         seed = request.sampling.seed if request.sampling.seed is not None else 0

@@ -54,6 +54,18 @@ from services.engine.messages import (
 
 __all__ = ["VllmEngine"]
 
+
+def _client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: ``ValueError`` and its client errors
+    (``VLLMValidationError``: a token id out of its vocabulary). Let through, one escaped
+    ``add_request`` into the worker loop, which fails every request in flight there.
+    Imported here, not at the top: by the time a request is refused, the engine has
+    loaded vLLM (importing it costs seconds)."""
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, VLLMClientError)
+
+
 log = logging.getLogger(__name__)
 
 _RECENT_STEPS = 64
@@ -187,7 +199,7 @@ class VllmEngine:
             prompt = {"prompt_token_ids": [*folded, *known], "multi_modal_data": {"image": images}}
         try:
             internal_id = self._llm.add_request(request.request_id, prompt, params)
-        except ValueError as e:  # vLLM's own validation
+        except _client_errors() as e:  # vLLM's own validation (evaluated only on an error)
             raise InvalidRequestError(str(e)) from e
         self._tracked[request.request_id] = _Tracked(
             request, str(internal_id), len(known), drop_first
