@@ -4,7 +4,8 @@
                                  400 naming the field when the request asks for more
                                  than ``gateway.*`` allows (prompts x n sequences, stop
                                  strings: count, length) or than the vocabulary holds
-                                 (``top_k``; ``logit_bias`` keys, values in [-100, 100])
+                                 (``top_k``; token ids of a prompt, of ``stop_token_ids``
+                                 and of ``logit_bias`` keys; its values in [-100, 100])
 
 The engine checks the model's own bounds again (token ids, the context length, its
 vocabulary) and answers before the request's first byte, so those are 400s too. Body and header sizes are the HTTP layer's
@@ -12,6 +13,8 @@ vocabulary) and answers before the request's first byte, so those are 400s too. 
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from services.config import GatewayConfig
 from services.gateway.errors import BadRequest
@@ -39,6 +42,12 @@ def _check_vocab(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
             f"got {body.top_k}",
             "top_k",
         )
+    # Token ids past the vocabulary: an embedding lookup out of range in the engine.
+    prompt = getattr(body, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        for row in prompt if isinstance(prompt[0], list) else [prompt]:
+            _check_ids(row, vocab_size, "prompt")
+    _check_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
     for key, bias in (body.logit_bias or {}).items():
         try:
             token_id = int(key)
@@ -50,6 +59,14 @@ def _check_vocab(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
             )
         if not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:  # NaN fails too
             raise BadRequest(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
+
+
+def _check_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise BadRequest(
+                f"{param} token ids must be in [0, {vocab_size}), got {token_id}", param
+            )
 
 
 def _check_sequences(body: ChatCompletionRequest | CompletionRequest, cap: int) -> None:

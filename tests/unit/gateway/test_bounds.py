@@ -27,6 +27,8 @@ PROBES = [
     ({"logit_bias": {str(2**63): 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ({"stop_token_ids": [3, VOCAB]}, "stop_token_ids", "token ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "token ids"),
     ({"logit_bias": {"5": 1e30}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"5": -100.5}}, "logit_bias", "[-100, 100]"),
 ]
@@ -47,12 +49,26 @@ async def test_each_bound_is_a_400_naming_its_field(
         assert error["param"] == param and says in error["message"], error
 
 
+@pytest.mark.parametrize("prompt", [[5, VOCAB], [-1], [[5, 6], [7, 2**63]]])
+async def test_a_prompt_of_token_ids_past_the_vocabulary_is_a_400(
+    gateway: Any, prompt: list[Any]
+) -> None:
+    _, client = await gateway()
+    r = await client.post("/v1/completions", json={**BODY, "prompt": prompt})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and "token ids" in error["message"], error
+    served = await client.post("/v1/completions", json={**BODY, "prompt": [0, VOCAB - 1]})
+    assert served.status_code == 200, served.text
+
+
 async def test_values_at_the_bounds_are_served(gateway: Any) -> None:
     _, client = await gateway()
     ok = {
         "stop": ["z" * 1024] * 16,
         "top_k": VOCAB,
         "logit_bias": {"0": 100, str(VOCAB - 1): -100},
+        "stop_token_ids": [0, VOCAB - 1],
     }
     r = await client.post("/v1/completions", json={**BODY, **ok})
     assert r.status_code == 200, r.text
