@@ -53,15 +53,13 @@ def _check_vocab(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
             token_id = int(key)
         except ValueError:
             raise BadRequest(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
-        if not 0 <= token_id < vocab_size:
-            raise BadRequest(
-                f"logit_bias token ids must be in [0, {vocab_size}), got {token_id}", "logit_bias"
-            )
+        _check_ids((token_id,), vocab_size, "logit_bias")
         if not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:  # NaN fails too
             raise BadRequest(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
 
 
 def _check_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """A 400 naming ``param`` at the first id outside [0, ``vocab_size``)."""
     for token_id in token_ids:
         if not 0 <= token_id < vocab_size:
             raise BadRequest(
