@@ -162,7 +162,7 @@ def recent_slowdown(
     model = cost_model(worker_id)
     scales, waits = [], []
     for s in steps:
-        modelled = model.step_s(s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens)
+        modelled = model.sample_s(s)  # its encodes included, where it ran any
         if modelled > 0:
             scale = s.duration_s / modelled
             scales.append(min(scale, MAX_COMPUTE_SLOWDOWN))

@@ -193,8 +193,9 @@ def worker_view(
 ) -> WorkerView:
     """Worker ``wid`` as the policy sees it: report ``s`` with ``reserved`` (its
     reservations, oldest first) added; queued prompts classified by ``theta`` (short
-    iff fewer tokens). ``previous``: the running tuple of the last view built from this
-    same report, reused where its rows are the same objects."""
+    iff fewer tokens), and the encodes of those it encodes itself (a plan with images
+    and no encode worker). ``previous``: the running tuple of the last view built from
+    this same report, reused where its rows are the same objects."""
     short_tokens = long_tokens = num_short = num_long = 0
     for n in s.waiting_prompt_lens:
         if n < theta:
@@ -208,6 +209,8 @@ def worker_view(
     running = s.running
     num_free_blocks = s.num_free_blocks
     inbound_tokens = 0
+    encodes = s.waiting_image_tokens
+    num_encodes, encode_tokens = len(encodes), sum(encodes)
     if reserved:
         added: list[RunningRequest] = []
         for r in reserved:
@@ -215,6 +218,9 @@ def worker_view(
             if r.plan.prefill_worker == wid and not started:
                 queued_tokens[r.length_class] += r.prefill_tokens
                 queued_requests[r.length_class] += 1
+                if r.image_tokens and r.plan.encode_worker is None:  # encoded here
+                    num_encodes += 1
+                    encode_tokens += r.image_tokens
             if r.plan.encode_worker == wid or r.encode_tokens:  # an encode queue: images
                 share = r.image_tokens if r.encode_tokens is None else r.encode_tokens.get(wid, 0)
                 queued_tokens[LengthClass.SHORT] += share
@@ -257,6 +263,8 @@ def worker_view(
         link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s if link else 0.0,
         link_latency_s=link.latency_s if link else None,
         inbound_tokens=inbound_tokens,
+        queued_encodes=num_encodes,
+        queued_encode_tokens=encode_tokens,
     )
 
 

@@ -93,6 +93,11 @@ class StepSample:
     num_decode_seqs: int
     total_context_tokens: int
     end_s: float = 0.0  # when the step ended (worker clock, monotonic): de-duplicates telemetry
+    # Encodes that ran inside the step (an engine that encodes a prompt's images in the
+    # step that prefills them, as vLLM does): requests, and their image tokens. Part of
+    # ``duration_s``, which ``CostModel`` prices apart from the prefill (``step_s``).
+    num_encodes: int = 0
+    num_encoded_image_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,11 @@ class WorkerView:
     # request prefills in a step (0: none; see ``router.length.queue_wait_s``).
     long_prefill_tokens: int = 0
     inbound_tokens: int = 0  # KV of requests placed to decode here, not yet running here
+    # Prompts queued here whose images this worker encodes before prefilling them
+    # (encode colocated), and their image tokens: their encodes come before what
+    # queues behind them.
+    queued_encodes: int = 0
+    queued_encode_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +214,8 @@ class WorkerReport(Protocol):
     def running(self) -> tuple[RunningRequest, ...]: ...
     @property
     def waiting_prompt_lens(self) -> tuple[int, ...]: ...
+    @property
+    def waiting_image_tokens(self) -> tuple[int, ...]: ...
     @property
     def recent_steps(self) -> tuple[StepSample, ...]: ...
     @property

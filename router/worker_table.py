@@ -275,6 +275,8 @@ class WorkerTable:
             or self._model_moved(i, new)
             or old.queued_tokens != new.queued_tokens
             or old.queued_requests != new.queued_requests
+            or old.queued_encode_tokens != new.queued_encode_tokens
+            or old.queued_encodes != new.queued_encodes
             or not _same_but_queues_and_inbound(old, new)
         ):
             return False
@@ -288,10 +290,17 @@ class WorkerTable:
     def _price_queues(
         self, i: int, w: WorkerView, coeffs: QuadCoeffs, budget: int, margin: float
     ) -> None:
-        """Row ``i``'s queued tokens and each length class's queue wait (with ``margin``)."""
+        """Row ``i``'s queued tokens and each length class's queue wait (with ``margin``):
+        the queued prompts' prefill and the encodes of those the worker encodes itself,
+        which run in the steps every queued prompt waits on."""
         queued, counts = w.queued_tokens, w.queued_requests
         self.queued_tokens[i] = sum(queued.values())
         short_s, long_s = queue_waits_s(coeffs, queued, counts, budget, w.long_prefill_tokens)
+        if w.queued_encode_tokens:
+            model = self._cost_model_for(w.worker_id)
+            encodes_s = model.encode_work_s(w.queued_encodes, w.queued_encode_tokens)
+            short_s += encodes_s
+            long_s += encodes_s
         self.wait_short_s[i] = short_s * margin
         self.wait_long_s[i] = long_s * margin
 

@@ -58,6 +58,7 @@ class SimReport:
     prefix_digest: tuple[int, ...]
     prefill_budget_tokens: int
     long_prefill_tokens: int
+    waiting_image_tokens: tuple[int, ...] = ()
 
 
 class RunningSets:
@@ -85,6 +86,7 @@ def same_state(last: SimReport, now: SimReport) -> bool:
         now.running is last.running
         and now.num_free_blocks == last.num_free_blocks
         and now.waiting_prompt_lens == last.waiting_prompt_lens
+        and now.waiting_image_tokens == last.waiting_image_tokens
         and now.recent_steps == last.recent_steps
         and now.prefix_digest == last.prefix_digest
         and now.role is last.role
@@ -152,4 +154,5 @@ class Reports:
             prefix_digest=self._prefixes.digest(w.worker_id),
             prefill_budget_tokens=w.budget_tokens,
             long_prefill_tokens=w.long_prefill_tokens,
+            waiting_image_tokens=w.image_tokens_to_encode(),
         )

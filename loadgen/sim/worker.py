@@ -111,6 +111,9 @@ class SimWorker:
         self._inc = 0.0
         self._steps = 0
         self._chunks: list[tuple[SimRequest, int]] = []
+        # Its encodes (encode colocated: a prompt's images are encoded in the step that
+        # starts its prefill, as vLLM does): each request's image tokens.
+        self._encodes: list[int] = []
         self._end_s = 0.0
         self.num_preempted = 0
 
@@ -134,6 +137,13 @@ class SimWorker:
         (a step of 8192 tokens is 0.26 s on llama3-8b-h100)."""
         in_flight = [n for req, n in self._chunks if n == req.prefill_left]
         return tuple(in_flight + [r.prefill_left for r in self.queue])
+
+    def image_tokens_to_encode(self) -> tuple[int, ...]:
+        """Each prompt's image tokens still to encode here (encode colocated), as at the
+        start of the step in flight (``prompt_tokens_to_compute``): those in the step,
+        then the queue's."""
+        queued = [r.num_image_tokens for r in self.queue if r.encode_s]
+        return tuple(self._encodes + queued) if self.busy else tuple(queued)
 
     def enqueue_prefill(self, req: SimRequest, now_s: float) -> None:
         self.queue.append(req)
@@ -171,6 +181,7 @@ class SimWorker:
         prof = self.profile
         self._t0 = now_s
         self._chunks = chunks
+        self._encodes = []
         if chunks:
             dur = prof.prefill.a if not batch else max(prof.prefill.a, prof.decode.a)
             for req, n in chunks:
@@ -179,6 +190,7 @@ class SimWorker:
                 if req.encode_s:  # encode colocated: the images are encoded here first
                     dur += req.encode_s
                     req.encode_s = 0.0
+                    self._encodes.append(req.num_image_tokens)
             if batch:
                 dur += prof.decode.b * batch + prof.decode.c * context
             self._base, self._inc, self._steps = dur, 0.0, 1
@@ -234,6 +246,8 @@ class SimWorker:
             num_decode_seqs=batch,
             total_context_tokens=context,
             end_s=now_s,
+            num_encodes=len(self._encodes),
+            num_encoded_image_tokens=sum(self._encodes),
         )
         self._on_step(self, now_s, sample, steps)
         self.mark_dirty()

@@ -255,6 +255,9 @@ class StepStats:
     num_decode_seqs: int
     total_context_tokens: int
     end_s: float = 0.0  # when the step ended: the engine process's time.monotonic()
+    # Encodes inside the step (``router.types.StepSample``): requests, image tokens.
+    num_encodes: int = 0
+    num_encoded_image_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +284,9 @@ class EngineStats:
     num_images_encoded: int = 0  # cumulative: images this engine ran its encoder on
     num_image_cache_hits: int = 0  # cumulative: images served from the encoder-output cache
     kernels: str = ""  # the model's CPU kernels (cpu_kernels.py): "cpp", or "torch" ops
+    # Per waiting prompt whose images this engine encodes in the step that starts it (vLLM
+    # with image files; the embedded engine encodes at admission): its image tokens.
+    waiting_image_tokens: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:

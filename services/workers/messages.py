@@ -176,6 +176,9 @@ class WorkerSnapshot:
     long_prefill_tokens: int = 0  # the engine's long_prefill_token_threshold (0: none)
     num_images_encoded: int = 0  # since start: images run through the vision encoder
     num_image_cache_hits: int = 0  # since start: images served by the encoder-output cache
+    # Per waiting prompt whose images this worker encodes before its prefill (vLLM
+    # encodes files in the step that starts the prompt): its image tokens.
+    waiting_image_tokens: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:

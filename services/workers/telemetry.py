@@ -66,6 +66,7 @@ def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
         long_prefill_tokens=stats.long_prefill_token_threshold,
         num_images_encoded=stats.num_images_encoded,
         num_image_cache_hits=stats.num_image_cache_hits,
+        waiting_image_tokens=stats.waiting_image_tokens,
     )
 
 
@@ -74,7 +75,13 @@ def step_samples(steps: Sequence[StepStats]) -> tuple[StepSample, ...]:
     cost model reads a step once: the first snapshot whose step ends later than the last)."""
     return tuple(
         StepSample(
-            s.duration_s, s.num_prefill_tokens, s.num_decode_seqs, s.total_context_tokens, s.end_s
+            s.duration_s,
+            s.num_prefill_tokens,
+            s.num_decode_seqs,
+            s.total_context_tokens,
+            s.end_s,
+            s.num_encodes,
+            s.num_encoded_image_tokens,
         )
         for s in steps
     )

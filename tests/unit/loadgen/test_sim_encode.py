@@ -15,7 +15,7 @@ import pytest
 from loadgen.arrivals import RateSpec
 from loadgen.sim import SimConfig, simulate_specs
 from loadgen.workload import RequestSpec
-from router.profile import EncodeCoeffs
+from router.profile import EncodeCoeffs, TransferCoeffs
 from tests.unit.loadgen.test_sim import PROFILE as TEXT_PROFILE
 
 PROFILE = replace(TEXT_PROFILE, encode=EncodeCoeffs(a=0.02, b=0.001))
@@ -104,3 +104,26 @@ def test_tiled_images_cost_their_tiles_and_each_part_its_own_images() -> None:
     # Without tiles every image is one fixed count, whatever its size.
     fixed = _ttfts(_config(num_encode=1), [mixed])["mixed"]  # 40 + 20 tokens
     assert fixed == pytest.approx(0.04 + 0.005 + 0.07)
+
+
+def test_slo_goodput_prices_encodes_on_the_worker_that_encodes_them_as_they_run() -> None:
+    """Encode colocated, each image request followed at once by a text one: the prefill
+    worker's step that starts an image prompt also encodes its images, and the text
+    request queued behind it waits for both. The router's TTFT predictions match the
+    simulated TTFTs: the encodes inside a step are priced by the encode term, not fitted
+    into the prefill curve (fitted in, an image prompt was priced an encode too slow),
+    and the encode of a prompt queued ahead counts in the wait behind it. (A link of no
+    cost: a disaggregated plan's TTFT also prices the KV transfer, which the first token,
+    streamed by the prefill worker, does not wait for.)"""
+    free_link = replace(PROFILE, transfer=TransferCoeffs(bandwidth_bytes_per_s=1e18, latency_s=0.0))
+    specs = []
+    for k in range(40):
+        specs.append(replace(IMAGE, request_id=f"img{k}", arrival_s=k * 1.0))
+        specs.append(replace(TEXT, request_id=f"txt{k}", arrival_s=k * 1.0 + 0.001))
+    config = replace(_config(policy="slo_goodput"), profile=free_link)
+    result = simulate_specs(config, specs)
+    assert all(r.success for r in result.records)
+    s = result.summary
+    # Each pair: the image's TTFT 0.15 s (0.04 of it its encode), the text's 0.209.
+    assert abs(s["ttft_pred_err_p50_ms"]) < 5.0, s
+    assert s["ttft_pred_err_p90_ms"] < 5.0, s

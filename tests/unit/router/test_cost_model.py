@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from router.cost_model import CostModel, Prediction, prefill_knee_tokens
-from router.profile import DEFAULT_PROFILE, Profile, QuadCoeffs, load_profile, save_profile
+from router.profile import (
+    DEFAULT_PROFILE,
+    EncodeCoeffs,
+    Profile,
+    QuadCoeffs,
+    load_profile,
+    save_profile,
+)
 from router.types import StepSample
 
 TRUE_PREFILL = QuadCoeffs(a=0.02, b=2.0e-4, c=3.0e-8)
@@ -204,3 +211,54 @@ def test_a_young_model_refits_at_every_step_before_its_first_eight() -> None:
     for i in range(3):
         model.observe(StepSample(1.0, 200, 0, 200, end_s=float(i)))
     assert model.prefill_s(200) > 0.25
+
+
+ENCODE = EncodeCoeffs(a=0.002, b=8.0e-5)  # InternVL2-26B's encoder (loadgen/profiles)
+
+
+def _with_images(steps: list[StepSample], seed: int = 1) -> list[StepSample]:
+    """``steps`` where every other prefill step also encoded one request's images inside
+    it (as vLLM does), its duration grown by that encode."""
+    rng = random.Random(seed)
+    out = []
+    for k, s in enumerate(steps):
+        if s.num_prefill_tokens and k % 4 == 0:
+            m = 256 * rng.randint(2, 8)
+            s = replace(
+                s,
+                duration_s=s.duration_s + ENCODE.encode_s(m),
+                num_encodes=1,
+                num_encoded_image_tokens=m,
+            )
+        out.append(s)
+    return out
+
+
+def test_a_step_that_encoded_images_is_fitted_without_its_encodes() -> None:
+    profile = replace(DEFAULT_PROFILE, encode=ENCODE)
+    model = CostModel(profile)
+    steps = _with_images(synthetic_steps(400))
+    assert sum(s.num_encodes for s in steps) > 50
+    for s in steps:
+        model.observe(s)
+    model.refit()
+    _close(model.prefill_coeffs, TRUE_PREFILL, rel=0.05)
+    # The step as it ran is the work plus its encode.
+    s = next(s for s in steps if s.num_encodes)
+    work_s = model.step_s(s.num_prefill_tokens, 0, 0)
+    assert model.encodes_s(s) == pytest.approx(ENCODE.encode_s(s.num_encoded_image_tokens))
+    assert model.sample_s(s) == pytest.approx(work_s + model.encodes_s(s))
+    assert model.sample_s(s) == pytest.approx(s.duration_s, rel=0.05)
+    # Fitted as prefill, the same steps make an image prompt's prefill look slower by
+    # part of its encode, which the policy adds again on top.
+    naive = CostModel(profile)
+    for s in steps:
+        naive.observe(replace(s, num_encodes=0, num_encoded_image_tokens=0))
+    naive.refit()
+    assert naive.prefill_s(1500) > model.prefill_s(1500) * 1.05
+
+
+def test_a_step_its_encodes_explain_whole_teaches_nothing() -> None:
+    model = CostModel(replace(DEFAULT_PROFILE, encode=ENCODE))
+    model.observe(StepSample(0.01, 100, 0, 0, 1.0, num_encodes=1, num_encoded_image_tokens=2048))
+    assert model.num_samples == 0

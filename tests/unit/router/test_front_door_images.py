@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from router.profile import EncodeCoeffs
 from router.types import Plan, RequestProfile, Role
+from tests.unit.router.builders import PROFILE
 from tests.unit.router.test_front_door import request, router, snapshot
 
 
@@ -61,3 +63,48 @@ def test_a_policy_that_does_not_price_encodes_spreads_images_over_the_least_queu
     assert plan.encode_parts == (("e2", 0, 1), ("e0", 1, 2), ("e1", 2, 3))
     queued = {w.worker_id: sum(w.queued_tokens.values()) for w in r.view().workers}
     assert (queued["e0"], queued["e1"], queued["e2"]) == (700, 700, 200)
+
+
+def test_encodes_queued_on_a_worker_that_encodes_its_own_prompts_images_lengthen_its_wait() -> None:
+    """Encode colocated (no encode workers; vLLM encodes files in the step that starts
+    the prompt): a prompt queued behind images waits for their encode too, whether the
+    worker's report says they wait there or the router placed them there."""
+    encode = EncodeCoeffs(a=0.01, b=1e-4)
+    r = router(policy="slo_goodput", profile=replace(PROFILE, encode=encode))
+
+    def predicted(seq: int, waiting: tuple[int, ...], images: tuple[int, ...]) -> float:
+        r.update(
+            replace(
+                snapshot("p", Role.PREFILL, seq=seq, waiting=waiting), waiting_image_tokens=images
+            )
+        )
+        plan = r.place(request(f"t{seq}", prompt=100), 0.0)
+        assert isinstance(plan, Plan) and plan.predicted_ttft_s is not None
+        r.release(f"t{seq}")
+        return plan.predicted_ttft_s
+
+    tokens_only = predicted(2, (1100,), ())
+    behind_images = predicted(3, (1100,), (1024,))
+    assert behind_images - tokens_only == pytest.approx(encode.encode_s(1024))
+    view = {w.worker_id: w for w in r.view().workers}["p"]
+    assert (view.queued_encodes, view.queued_encode_tokens) == (1, 1024)
+
+    # Placed here with images and no encode worker: its encode queues here until p's
+    # first event for it.
+    r.update(snapshot("p", Role.PREFILL, seq=4))
+    plan = r.place(_image_request("img", image_tokens=200), 0.0)
+    assert isinstance(plan, Plan) and plan.encode_worker is None
+    view = {w.worker_id: w for w in r.view().workers}["p"]
+    assert (view.queued_encodes, view.queued_encode_tokens) == (1, 200)
+    r.release("img", "p")
+    view = {w.worker_id: w for w in r.view().workers}["p"]
+    assert (view.queued_encodes, view.queued_encode_tokens) == (0, 0)
+
+
+def test_images_placed_on_an_encode_worker_queue_no_encode_on_the_prefill_worker() -> None:
+    r = router(policy="slo_goodput")
+    r.update(snapshot("e0", Role.ENCODE))
+    plan = r.place(_image_request("img", image_tokens=200), 0.0)
+    assert isinstance(plan, Plan) and plan.encode_worker == "e0"
+    view = {w.worker_id: w for w in r.view().workers}["p"]
+    assert (view.queued_encodes, view.queued_encode_tokens) == (0, 0)
