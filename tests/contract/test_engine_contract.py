@@ -181,6 +181,21 @@ def test_abort_frees_everything(build: Build) -> None:
     engine.abort("never-seen")  # harmless
 
 
+def test_a_continued_request_reports_the_outputs_it_carries(build: Build) -> None:
+    """A request re-placed after its worker died carries the tokens already streamed: its
+    running row counts them in what it generated and in its cap, as the router's memory
+    estimate reads them (vLLM counts its outputs from a prompt that holds them)."""
+    engine = build()
+    p = prompt_of(engine, "hello world the cat")
+    engine.add_request(EngineRequest("c0", p, greedy(3)))
+    carried = tuple(tokens(run(engine)["c0"]))
+    engine.add_request(EngineRequest("c1", p, greedy(8), output_token_ids=carried))
+    engine.step()  # its prompt and the carried tokens, and one new token
+    (row,) = engine.stats().running
+    assert (row.num_generated, row.max_tokens) == (len(carried) + 1, 8)
+    engine.abort("c1")
+
+
 def test_prefill_only_holds_blocks_until_released(build: Build) -> None:
     engine = build()
     p = prompt_of(engine)

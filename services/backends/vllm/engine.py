@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ from services.engine.messages import (
     StepStats,
 )
 
-__all__ = ["VllmEngine"]
+__all__ = ["VllmEngine", "images_to_encode", "step_stats"]
 
 
 def _client_errors() -> tuple[type[Exception], ...]:
@@ -90,6 +90,11 @@ class _Tracked:
     num_prior_outputs: int  # output tokens generated before this engine saw the request
     drop_first: bool  # a decode continuation: vLLM regenerates the token already streamed
     num_generated: int = 0  # tokens delivered from this engine
+    # (prompt position, image tokens) of each image vLLM encodes here: files (not encode
+    # workers' embeddings) of a request that computes its prompt here (not a
+    # continuation, whose KV is pulled). vLLM encodes an image in the step whose chunk
+    # reaches its first placeholder.
+    encodes: tuple[tuple[int, int], ...] = ()
 
 
 class VllmEngine:
@@ -201,8 +206,14 @@ class VllmEngine:
             internal_id = self._llm.add_request(request.request_id, prompt, params)
         except _client_errors() as e:  # vLLM's own validation (evaluated only on an error)
             raise InvalidRequestError(str(e)) from e
+        encodes_here = request.images and remote_kv is None
+        encodes_here = encodes_here and any(i.embeddings is None for i in request.images)
         self._tracked[request.request_id] = _Tracked(
-            request, str(internal_id), len(known), drop_first
+            request,
+            str(internal_id),
+            len(known),
+            drop_first,
+            encodes=tuple((i.offset, i.num_tokens) for i in request.images) if encodes_here else (),
         )
 
     def step(self) -> list[RequestOutput]:
@@ -227,24 +238,23 @@ class VllmEngine:
     def _record_step(
         self, started: float, ended: float, before: dict[str, int], prompt_lens: dict[str, int]
     ) -> None:
-        prefill_tokens = 0
-        decode_seqs = 0
-        context = 0
-        for r in self._scheduler.running:
-            now = r.num_computed_tokens
-            context += now
-            was = before.get(r.request_id, 0)
-            if now <= was:
-                continue
-            if was < prompt_lens.get(r.request_id, r.num_prompt_tokens):
-                prefill_tokens += now - was
-            else:
-                decode_seqs += 1
-        self._num_prompt_tokens_computed += prefill_tokens
-        if prefill_tokens or decode_seqs:
-            self._recent_steps.append(
-                StepStats(ended - started, prefill_tokens, decode_seqs, context, ended)
-            )
+        step = step_stats(
+            self._scheduler.running, before, prompt_lens, self._encodes(), ended - started, ended
+        )
+        if step is not None:
+            self._num_prompt_tokens_computed += step.num_prefill_tokens
+            self._recent_steps.append(step)
+
+    def _encodes(self) -> dict[str, tuple[tuple[int, int], ...]]:
+        """``_Tracked.encodes`` of the requests with any, by vLLM's id."""
+        return {
+            vid: t.encodes for vid, t in self._by_internal_id(lambda t: bool(t.encodes)).items()
+        }
+
+    def _by_internal_id(self, keep: Callable[[_Tracked], bool]) -> dict[str, _Tracked]:
+        """The tracked requests ``keep`` selects, by vLLM's id for them (its scheduler's
+        ``request_id``: ours plus a suffix)."""
+        return {t.internal_id: t for t in self._tracked.values() if keep(t)}
 
     def _convert(self, out: Any) -> RequestOutput | None:
         tracked = self._tracked.get(out.request_id)
@@ -325,12 +335,19 @@ class VllmEngine:
         self._forget_released()
         pool = scheduler.kv_cache_manager.block_pool
         total = int(pool.num_gpu_blocks) - 1  # block 0 is vLLM's null block
+        # A continuation's outputs before this engine (vLLM counts from its prompt, which
+        # holds them), by vLLM's id.
+        prior = {
+            vid: t.num_prior_outputs
+            for vid, t in self._by_internal_id(lambda t: t.num_prior_outputs > 0).items()
+        }
+        encoding = self._encodes()
         running = tuple(
             RunningRequestStats(
                 request_id=r.request_id,
                 num_tokens_held=int(r.num_computed_tokens),
-                num_generated=int(r.num_output_tokens) + self._prior(r.request_id),
-                max_tokens=int(r.max_tokens) + self._prior(r.request_id),
+                num_generated=int(r.num_output_tokens) + prior.get(r.request_id, 0),
+                max_tokens=int(r.max_tokens) + prior.get(r.request_id, 0),
             )
             for r in scheduler.running
         )
@@ -346,6 +363,9 @@ class VllmEngine:
                 for r in (*scheduler.running, *scheduler.waiting)
                 if r.num_computed_tokens < r.num_prompt_tokens
             ),
+            waiting_image_tokens=images_to_encode(
+                (*scheduler.running, *scheduler.waiting), encoding
+            ),
             recent_steps=tuple(self._recent_steps),
             recent_output_lens=tuple(self._recent_output_lens),
             num_preemptions=sum(int(r.num_preemptions) for r in scheduler.requests.values()),
@@ -356,10 +376,6 @@ class VllmEngine:
                 scheduler.scheduler_config.long_prefill_token_threshold or 0
             ),
         )
-
-    def _prior(self, request_id: str) -> int:
-        tracked = self._tracked.get(request_id)
-        return tracked.num_prior_outputs if tracked is not None else 0
 
     def release_held(self, request_id: str) -> None:
         """vLLM frees held prefill blocks itself (pull, rejection or lease)."""
@@ -377,3 +393,54 @@ class VllmEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(list(token_ids))
         return text
+
+
+def step_stats(
+    running: Sequence[Any],
+    before: dict[str, int],
+    prompt_lens: dict[str, int],
+    encodes: dict[str, tuple[tuple[int, int], ...]],
+    duration_s: float,
+    ended: float,
+) -> StepStats | None:
+    """The step vLLM just took, from its running requests (``running``: vLLM's, after
+    the step) against their computed tokens before it (``before``) and their prompt
+    lengths: the prompt tokens it computed, the sequences it decoded, their context, and
+    the encodes it ran (``encodes``: by vLLM's id, (position, image tokens) of each
+    image vLLM encodes for the request; an image runs in the step whose chunk reaches
+    its first placeholder). None: it computed nothing."""
+    prefill_tokens = decode_seqs = context = 0
+    encoded: list[int] = []  # image tokens of each request whose images ran in the step
+    for r in running:
+        now = r.num_computed_tokens
+        context += now
+        was = before.get(r.request_id, 0)
+        if now <= was:
+            continue
+        if was < prompt_lens.get(r.request_id, r.num_prompt_tokens):
+            prefill_tokens += now - was
+            tokens = sum(n for at, n in encodes.get(r.request_id, ()) if was <= at < now)
+            if tokens:
+                encoded.append(tokens)
+        else:
+            decode_seqs += 1
+    if not prefill_tokens and not decode_seqs:
+        return None
+    return StepStats(
+        duration_s, prefill_tokens, decode_seqs, context, ended, len(encoded), sum(encoded)
+    )
+
+
+def images_to_encode(
+    requests: Sequence[Any], encodes: dict[str, tuple[tuple[int, int], ...]]
+) -> tuple[int, ...]:
+    """Per scheduled request (``requests``: vLLM's) with images it will still encode here
+    (``encodes``: as ``step_stats`` takes them), their image tokens: the images whose
+    first placeholder its prefill has not reached."""
+    out = []
+    for r in requests:
+        done = r.num_computed_tokens
+        tokens = sum(n for at, n in encodes.get(r.request_id, ()) if at >= done)
+        if tokens:
+            out.append(tokens)
+    return tuple(out)
