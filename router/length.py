@@ -51,6 +51,7 @@ __all__ = [
     "prefill_curve",
     "queue_wait_s",
     "queue_waits_s",
+    "queued_work_s",
 ]
 
 
@@ -228,8 +229,8 @@ def queue_waits_s(
     long_tokens = queued_tokens.get(LengthClass.LONG, 0)
     num_short = max(queued_requests.get(LengthClass.SHORT, 1), 1)
     num_long = max(queued_requests.get(LengthClass.LONG, 1), 1)
-    short_s = _queued_work_s(coeffs, budget_tokens, short_tokens, num_short)
-    long_s = short_s + _queued_work_s(coeffs, budget_tokens, long_tokens, num_long)
+    short_s = queued_work_s(coeffs, budget_tokens, short_tokens, num_short)
+    long_s = short_s + queued_work_s(coeffs, budget_tokens, long_tokens, num_long)
     chunks = num_long * long_prefill_tokens  # one chunk of each long prompt
     if long_prefill_tokens <= 0 or long_tokens <= chunks:
         return long_s, long_s  # first come, first served (or each long prompt is one chunk)
@@ -242,7 +243,7 @@ def queue_waits_s(
     return steps * coeffs.a + coeffs.b * tokens + coeffs.c * squares, long_s
 
 
-def _queued_work_s(coeffs: QuadCoeffs, budget_tokens: int, tokens: int, count: int) -> float:
+def queued_work_s(coeffs: QuadCoeffs, budget_tokens: int, tokens: int, count: int) -> float:
     """``s·a + b·T + c·T²/k`` for ``k`` queued requests of ``T`` tokens in all."""
     if tokens <= 0:
         return 0.0

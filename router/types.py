@@ -128,6 +128,11 @@ class WorkerView:
     # queues behind them.
     queued_encodes: int = 0
     queued_encode_tokens: int = 0
+    # Prompts placed to prefill here whose images are still on encode workers, and their
+    # prefill tokens: they join the queue when those answer (``Reservation.encoding``),
+    # behind what is placed here before then.
+    encoding_requests: int = 0
+    encoding_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ import numpy as np
 
 from router.cost_model import CostModel
 from router.estimator import remaining_tokens
-from router.length import LongPool, SplitMode, prefill_curve, queue_waits_s
+from router.length import LongPool, SplitMode, prefill_curve, queue_waits_s, queued_work_s
 from router.peak_table import PeakTable
 from router.prefix_index import PrefixIndex
 from router.profile import Profile, QuadCoeffs
@@ -81,6 +81,10 @@ class WorkerTable:
         self.short_hosts = np.ones(n, dtype=bool)  # where a SHORT prompt may prefill
         self.pa, self.pb, self.pc = zeros(), zeros(), zeros()
         self.wait_short_s, self.wait_long_s = zeros(), zeros()
+        # The prefill of the prompts placed here whose images are still on encode workers
+        # (``WorkerView.encoding_tokens``): what a prompt that also lands here later waits
+        # for on top of the queue.
+        self.encoding_wait_s = zeros()
         self.bandwidth = np.ones(n)
         self.link_latency_s = zeros()
         self.kv_bytes_per_token = zeros()
@@ -277,6 +281,7 @@ class WorkerTable:
             or old.queued_requests != new.queued_requests
             or old.queued_encode_tokens != new.queued_encode_tokens
             or old.queued_encodes != new.queued_encodes
+            or old.encoding_tokens != new.encoding_tokens
             or not _same_but_queues_and_inbound(old, new)
         ):
             return False
@@ -303,6 +308,8 @@ class WorkerTable:
             long_s += encodes_s
         self.wait_short_s[i] = short_s * margin
         self.wait_long_s[i] = long_s * margin
+        encoding_s = queued_work_s(coeffs, budget, w.encoding_tokens, w.encoding_requests)
+        self.encoding_wait_s[i] = encoding_s * margin
 
     def _running_entry(self, w: WorkerView) -> RunningEntry:
         return self.running_sets.entry(w.worker_id, w.running)

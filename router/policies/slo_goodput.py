@@ -253,12 +253,17 @@ class SloGoodput:
             case _:
                 wait_s = t.wait_long_s if is_long else t.wait_short_s
         own_encode_s = self._encode_fit.encode_s(profile.num_image_tokens)
+        # Encoded remotely, it joins the queue when its images land, behind the prompts
+        # placed there whose own images land before (``WorkerTable.encoding_wait_s``).
+        landing_wait_s = wait_s
+        if profile.num_image_tokens > 0 and any_true(t.encoding_wait_s):
+            landing_wait_s = wait_s + t.encoding_wait_s
         encode_s, remote, encode_parts = price_encode(
-            t, self._encode_fit, profile, wait_s, own_encode_s
+            t, self._encode_fit, profile, landing_wait_s, own_encode_s
         )
         ttft_local = wait_s + prefill_s
         if profile.num_image_tokens > 0:
-            ttft_local = ttft_local + encode_s
+            ttft_local = np.where(remote, landing_wait_s, wait_s) + prefill_s + encode_s
 
         # Decode-side checks shared by both kinds of plan: TPOT with the request added,
         # memory bounds of the past-future peak (see ``pick_decode``).

@@ -108,3 +108,33 @@ def test_images_placed_on_an_encode_worker_queue_no_encode_on_the_prefill_worker
     assert isinstance(plan, Plan) and plan.encode_worker == "e0"
     view = {w.worker_id: w for w in r.view().workers}["p"]
     assert (view.queued_encodes, view.queued_encode_tokens) == (0, 0)
+
+
+def test_a_request_encoding_on_encode_workers_joins_its_prefill_queue_when_they_answer() -> None:
+    """Its images on encode workers, a request reaches its prefill worker only when the
+    last part lands: until then a prompt placed there goes ahead of it, so it is not in
+    that worker's queue, nor its oldest waiting prompt."""
+    r = router(policy="slo_goodput")
+    r.update(snapshot("e0", Role.ENCODE))
+    r.update(snapshot("e1", Role.ENCODE))
+    image = replace(_image_request("img", image_tokens=400), num_images=2)
+    plan = r.place(image, 0.0)
+    assert isinstance(plan, Plan) and set(plan.encode_workers) == {"e0", "e1"}
+
+    def queued_on_p() -> int:
+        return sum({w.worker_id: w for w in r.view().workers}["p"].queued_tokens.values())
+
+    def text_ttft(request_id: str) -> float:
+        text = r.place(request(request_id, prompt=100), 0.5)
+        assert isinstance(text, Plan) and text.predicted_ttft_s is not None
+        r.release(request_id)
+        return text.predicted_ttft_s
+
+    assert queued_on_p() == 0 and r.pending_age_s("p", 0.5) == 0.0
+    ahead_of_it = text_ttft("t1")
+    r.release("img", plan.encode_workers[0])  # one part landed: still encoding
+    assert queued_on_p() == 0
+    r.release("img", plan.encode_workers[1])  # the last: it is sent to p now
+    assert queued_on_p() == image.num_prompt_tokens + image.num_image_tokens
+    assert r.pending_age_s("p", 0.5) == 0.5
+    assert text_ttft("t2") > ahead_of_it  # now it is ahead of a new prompt

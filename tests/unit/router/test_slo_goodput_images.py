@@ -110,3 +110,19 @@ def test_the_encode_term_is_fitted_from_observed_encodes(pol: SloGoodput) -> Non
     after = plan_of(pol.plan(request(PROMPT, image_tokens=200), v, 0.0)).predicted_ttft_s
     assert before is not None and after is not None
     assert after - before == pytest.approx(0.1, abs=1e-6)
+
+
+def test_a_remote_encode_lands_behind_the_prompts_whose_images_land_first(
+    pol: SloGoodput,
+) -> None:
+    """A prompt placed on ``p`` whose images are still on encode workers joins p's queue
+    when they land: a text request placed now goes ahead of it, an image request encoded
+    remotely too lands after it, behind its prefill (0.01 + 3000e-4 = 0.31 s)."""
+    p = replace(worker("p", Role.PREFILL), encoding_requests=1, encoding_tokens=3000)
+    v = view(worker("e", Role.ENCODE), p, worker("d", Role.DECODE))
+    text = plan_of(pol.plan(request(PROMPT), v, 0.0))
+    assert text.predicted_ttft_s == pytest.approx(prefill_s(PROMPT) + PROMPT * 1e5 / 1e9 + 0.001)
+    image = plan_of(pol.plan(request(PROMPT, image_tokens=200), v, 0.0))
+    assert image.encode_worker == "e"  # landed at 0.008 s, then behind the 0.31 s prefill
+    expected = prefill_s(3000) + prefill_s(700) + 700 * 1e5 / 1e9 + 0.001
+    assert image.predicted_ttft_s == pytest.approx(expected)
