@@ -12,7 +12,8 @@ the GPUs up to half, at least one; E/P/D: ¼, ⅓, ⅖ or ½ of the rest encodin
 split gets the same goodput search, and the best split of each layout is compared, in
 the same run. A grid of eighths had flattered E/P/D: at 16 GPUs it tried 2 and 4
 decode workers, where E/P/D led 1.09x (4E+8P+4D against 12P+4D), while at 3, which
-both layouts serve best, it led 1.02x (5E+8P+3D 78.7 req/s against 13P+3D 77.2). Both run the
+both layouts serve best, it led 1.02x (5E+8P+3D 78.7 req/s against 13P+3D 77.2; both
+figures from before the router priced colocated encodes right, below). Both run the
 real router (``slo_goodput``, which may split one request's images over several
 encode workers) and the shipped profile ``loadgen/profiles/internvl2-26b-h100.json``
 (InternViT-6B encoder + InternLM2-20B; published sizes, roofline-estimated, sources
@@ -89,10 +90,14 @@ SLO = GoodputSLO(ttft_ms=1500, tpot_ms=100)
 # a request whose images it encodes in parallel. The largest request (8 images and a
 # 512-token prompt) needs about 0.38 s of encode, prefill and KV transfer on an idle
 # encode-colocated worker in this profile, so the ratio falls off a cliff just above
-# that: at 16 GPUs, 1.63x at 500 ms and 1.08x at 600 (2000 requests). DistServe's chat
-# targets for models of this size are tighter still (0.25 s at 13B, 0.4 s at 66B;
-# shared/notes/algorithms.md). Each target is searched on its own: the router admits
-# by it.
+# that. At 16 GPUs (2000 requests, each layout's best split): at 300 ms E/P/D keeps 90%
+# up to 67.4 req/s and the colocated layout at no rate; at 400 ms 1.005x (78.4 against
+# 78.0 req/s); at 500 ms 0.96x (78.3 against 81.4). Until the router priced the encodes
+# inside a colocated worker's steps right (``router.cost_model``), it priced that
+# layout's image requests an encode too slow and refused them (1.17x at 500 ms then).
+# DistServe's chat targets for models of this size are tighter still (0.25 s at 13B,
+# 0.4 s at 66B; shared/notes/algorithms.md). Each target is searched on its own: the
+# router admits by it.
 TTFT_TARGETS_MS = (500.0, 600.0, 1000.0, 1500.0)
 # The target (E/P/D goodput >= 1.3x encode-colocated at 16 GPUs), read at the
 # chat TTFT target of a model this size: DistServe's are 0.25 s at 13B and 0.4 s at
