@@ -82,6 +82,7 @@ class LiveView:
                 known.digest = frozenset(report.prefix_digest)
             known.report = report
             self._reservations.counted(wid, report.seq)  # started there: counted now
+        self._reservations.waiting(wid, report.waiting_request_ids)  # queued: counted now
         self.invalidate(wid)
         return True
 

@@ -68,6 +68,9 @@ class Reservation:
     # When its first token is due (router clock; inf: no TTFT target): what a prompt
     # placed after it into the same engine step must not push it past.
     deadline_s: float = math.inf
+    # Its prefill worker's report shows its prompt waiting there (``Reservations.waiting``):
+    # the view counts the prompt from the report, not from here, until its first event.
+    queue_reported: bool = False
 
     @property
     def encoding(self) -> bool:
@@ -162,6 +165,21 @@ class Reservations:
         # Its inbound KV has landed, or (colocated) its prompt has left the queue.
         return (worker_id,)
 
+    def waiting(self, worker_id: str, request_ids: Sequence[str]) -> None:
+        """``worker_id`` reported these prompts waiting there: the ones reserved to
+        prefill there are counted by its reports from now on, not by their reservation
+        (whose running row and blocks, where it also decodes there, stay until a report
+        shows it running: ``start``, ``counted``). Without this a prompt counted twice in
+        its worker's queue from the worker's admission of it to its first token."""
+        ids = self._by_worker.get(worker_id)
+        if not ids:
+            return
+        for request_id in request_ids:
+            if request_id in ids:
+                r = self._by_id[request_id]
+                if r.plan.prefill_worker == worker_id:
+                    r.queue_reported = True
+
     def counted(self, worker_id: str, seq: int) -> None:
         """``worker_id`` reported at ``seq``: the requests started there before that
         report count in it, so their reservations there go (the report's new view shows
@@ -236,7 +254,7 @@ def worker_view(
             if r.plan.prefill_worker == wid and not started and r.encoding:
                 encoding_requests += 1
                 encoding_tokens += r.prefill_tokens
-            elif r.plan.prefill_worker == wid and not started:
+            elif r.plan.prefill_worker == wid and not started and not r.queue_reported:
                 queued_tokens[r.length_class] += r.prefill_tokens
                 queued_requests[r.length_class] += 1
                 if r.image_tokens and r.plan.encode_worker is None:  # encoded here

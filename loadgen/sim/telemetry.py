@@ -59,6 +59,9 @@ class SimReport:
     prefill_budget_tokens: int
     long_prefill_tokens: int
     waiting_image_tokens: tuple[int, ...] = ()
+    # The simulator releases a prompt's reservation on its prefill worker as the prompt
+    # joins that worker's queue (``SimCluster._place``), so it names none here.
+    waiting_request_ids: tuple[str, ...] = ()
 
 
 class RunningSets:

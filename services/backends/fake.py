@@ -187,6 +187,7 @@ class FakeEngine:
                 for s in self._running
             ),
             waiting_prompt_lens=tuple(s.num_prompt for s in self._waiting),
+            waiting_request_ids=tuple(s.request.request_id for s in self._waiting),
             recent_steps=tuple(self._recent_steps),
             recent_output_lens=tuple(self._recent_output_lens),
             num_preemptions=0,

@@ -338,6 +338,7 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        waiting = self.scheduler.prompt_tokens_to_compute()
         return EngineStats(
             block_size=bm.block_size,
             num_total_blocks=bm.num_total_blocks,
@@ -345,7 +346,8 @@ class LLMEngine:
             num_cached_blocks=bm.num_cached_blocks,
             num_held_blocks=bm.num_held_blocks,
             running=self.scheduler.running_stats(),
-            waiting_prompt_lens=self.scheduler.prompt_tokens_to_compute(),
+            waiting_prompt_lens=tuple(n for _, n in waiting),
+            waiting_request_ids=tuple(rid for rid, _ in waiting),
             recent_steps=tuple(self._recent_steps),
             recent_output_lens=tuple(self._recent_output_lens),
             num_preemptions=self.scheduler.num_preemptions,

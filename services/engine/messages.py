@@ -287,6 +287,9 @@ class EngineStats:
     # Per waiting prompt whose images this engine encodes in the step that starts it (vLLM
     # with image files; the embedded engine encodes at admission): its image tokens.
     waiting_image_tokens: tuple[int, ...] = ()
+    # The request ids of ``waiting_prompt_lens``, in its order (the router drops its own
+    # count of a prompt a report shows waiting); () where the engine does not say.
+    waiting_request_ids: tuple[str, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:

@@ -105,12 +105,12 @@ class Scheduler:
             for r in self.running
         )
 
-    def prompt_tokens_to_compute(self) -> tuple[int, ...]:
-        """Each prompt's tokens still to compute before its first token, in the order
-        the next step takes them: running prompts part-way through their chunks, then
-        the waiting queue (what a request that arrives now waits behind)."""
+    def prompt_tokens_to_compute(self) -> tuple[tuple[str, int], ...]:
+        """Each prompt's request id and tokens still to compute before its first token,
+        in the order the next step takes them: running prompts part-way through their
+        chunks, then the waiting queue (what a request that arrives now waits behind)."""
         return tuple(
-            r.num_uncomputed_tokens
+            (r.request_id, r.num_uncomputed_tokens)
             for queue in (self.running, self.waiting)
             for r in queue
             if r.num_computed_tokens < r.num_prompt_tokens

@@ -179,6 +179,9 @@ class WorkerSnapshot:
     # Per waiting prompt whose images this worker encodes before its prefill (vLLM
     # encodes files in the step that starts the prompt): its image tokens.
     waiting_image_tokens: tuple[int, ...] = ()
+    # The request ids of ``waiting_prompt_lens``, in its order: the router stops counting
+    # its own reservation of a prompt a snapshot shows waiting (() where not known).
+    waiting_request_ids: tuple[str, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:

@@ -67,6 +67,7 @@ def build_snapshot(engine: Engine, loop: LoopState) -> WorkerSnapshot:
         num_images_encoded=stats.num_images_encoded,
         num_image_cache_hits=stats.num_image_cache_hits,
         waiting_image_tokens=stats.waiting_image_tokens,
+        waiting_request_ids=stats.waiting_request_ids,
     )
 
 

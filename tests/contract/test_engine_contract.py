@@ -196,6 +196,18 @@ def test_a_continued_request_reports_the_outputs_it_carries(build: Build) -> Non
     engine.abort("c1")
 
 
+def test_waiting_prompts_are_reported_with_their_request_ids(build: Build) -> None:
+    engine = build()
+    p = prompt_of(engine, "hello world the cat")
+    engine.add_request(EngineRequest("w1", p, greedy(4)))
+    engine.add_request(EngineRequest("w2", p[:3], greedy(4)))
+    stats = engine.stats()
+    assert stats.waiting_request_ids == ("w1", "w2")  # vLLM's own ids carry a suffix
+    assert stats.waiting_prompt_lens == (len(p), 3)
+    run(engine)
+    assert engine.stats().waiting_request_ids == ()
+
+
 def test_prefill_only_holds_blocks_until_released(build: Build) -> None:
     engine = build()
     p = prompt_of(engine)

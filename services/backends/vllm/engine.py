@@ -342,6 +342,13 @@ class VllmEngine:
             for vid, t in self._by_internal_id(lambda t: t.num_prior_outputs > 0).items()
         }
         encoding = self._encodes()
+        ours = self._by_internal_id(lambda t: True)
+        # Requests whose prompt is not all computed, in the order vLLM takes them.
+        prompting = [
+            r
+            for r in (*scheduler.running, *scheduler.waiting)
+            if r.num_computed_tokens < r.num_prompt_tokens
+        ]
         running = tuple(
             RunningRequestStats(
                 request_id=r.request_id,
@@ -359,9 +366,11 @@ class VllmEngine:
             num_held_blocks=sum(n for _, n in self._held.values()),
             running=running,
             waiting_prompt_lens=tuple(
-                int(r.num_prompt_tokens - r.num_computed_tokens)
-                for r in (*scheduler.running, *scheduler.waiting)
-                if r.num_computed_tokens < r.num_prompt_tokens
+                int(r.num_prompt_tokens - r.num_computed_tokens) for r in prompting
+            ),
+            waiting_request_ids=tuple(
+                ours[r.request_id].request.request_id if r.request_id in ours else r.request_id
+                for r in prompting
             ),
             waiting_image_tokens=images_to_encode(
                 (*scheduler.running, *scheduler.waiting), encoding

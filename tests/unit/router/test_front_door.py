@@ -241,6 +241,32 @@ def test_each_worker_drops_its_part_of_a_reservation_when_it_counts_the_request(
     assert r.num_reservations() == 0
 
 
+def test_a_prompt_its_worker_reports_waiting_is_counted_once() -> None:
+    """From the prefill worker's admission of a prompt to its first token, the worker's
+    reports show it waiting: the reservation's count of it goes then (it counted twice,
+    which made every queue behind it look up to twice as long)."""
+    r = router()
+    r.place(request("a", prompt=500), 0.0)
+
+    def queued_on_p() -> int:
+        return sum(r.view().workers[0].queued_tokens.values())
+
+    assert queued_on_p() == 500
+    admitted = snapshot("p", Role.PREFILL, seq=2, waiting=(500,))
+    r.update(replace(admitted, waiting_request_ids=("a",)))
+    assert queued_on_p() == 500  # the report's count only
+    # A report that does not name its waiting prompts leaves the reservations' counts.
+    r.place(request("b", prompt=300), 0.0)
+    r.update(snapshot("p", Role.PREFILL, seq=3, waiting=(500, 300)))
+    assert queued_on_p() == 500 + 300 + 300
+    r.release("a", "p")  # a's first token
+    r.update(
+        replace(snapshot("p", Role.PREFILL, seq=4, waiting=(300,)), waiting_request_ids=("b",))
+    )
+    assert queued_on_p() == 300
+    assert r.pending_age_s("p", 2.0) == 2.0  # b still waits for its first token
+
+
 def test_an_abandoned_plan_is_unreserved_at_once_where_it_would_have_run() -> None:
     r = router()
     plan = r.place(request("a", prompt=500), 0.0)
