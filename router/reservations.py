@@ -7,7 +7,9 @@ worker's part goes, and so do the decode worker's inbound KV and a colocated hos
 queued prompt. What the request runs on (its running row and blocks) stays shown until
 that worker's next report, which counts it (``Reservations.counted``): the report
 before the first event did not, so dropping it then would hide the request for up to a
-report interval.
+report interval. A prompt queued on a worker whose report names it waiting
+(``WorkerReport.waiting_request_ids``) is counted by the reports from then on, not by
+its reservation (``Reservations.waiting``).
 
 ``Reservations`` keeps them by request and by worker, oldest first; ``worker_view``
 shows a worker as the policy must see it: its last report plus what is reserved there

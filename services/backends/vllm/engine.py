@@ -34,13 +34,14 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtransfer.types import KVLayout
 from services.backends.vllm.images import vllm_image_prompt
 from services.backends.vllm.params import remote_decode_params, sampling_params, token_logprobs
+from services.backends.vllm.steps import images_to_encode, step_stats
 from services.engine.messages import (
     EngineError,
     EngineRequest,
@@ -52,7 +53,7 @@ from services.engine.messages import (
     StepStats,
 )
 
-__all__ = ["VllmEngine", "images_to_encode", "step_stats"]
+__all__ = ["VllmEngine"]
 
 
 def _client_errors() -> tuple[type[Exception], ...]:
@@ -206,15 +207,10 @@ class VllmEngine:
             internal_id = self._llm.add_request(request.request_id, prompt, params)
         except _client_errors() as e:  # vLLM's own validation (evaluated only on an error)
             raise InvalidRequestError(str(e)) from e
-        encodes_here = request.images and remote_kv is None
-        encodes_here = encodes_here and any(i.embeddings is None for i in request.images)
-        self._tracked[request.request_id] = _Tracked(
-            request,
-            str(internal_id),
-            len(known),
-            drop_first,
-            encodes=tuple((i.offset, i.num_tokens) for i in request.images) if encodes_here else (),
-        )
+        files = remote_kv is None and any(i.embeddings is None for i in request.images)
+        encodes = tuple((i.offset, i.num_tokens) for i in request.images) if files else ()
+        tracked = _Tracked(request, str(internal_id), len(known), drop_first, encodes=encodes)
+        self._tracked[request.request_id] = tracked
 
     def step(self) -> list[RequestOutput]:
         scheduler = self._scheduler
@@ -226,7 +222,11 @@ class VllmEngine:
         started = time.monotonic()
         outputs = self._llm.step()
         ended = time.monotonic()
-        self._record_step(started, ended, before, prompt_lens)
+        encodes = {vid: t.encodes for vid, t in self._by_vllm_id().items() if t.encodes}
+        step = step_stats(scheduler.running, before, prompt_lens, encodes, ended - started, ended)
+        if step is not None:
+            self._num_prompt_tokens_computed += step.num_prefill_tokens
+            self._recent_steps.append(step)
         results: list[RequestOutput] = []
         for out in outputs:
             converted = self._convert(out)
@@ -235,26 +235,10 @@ class VllmEngine:
         self._forget_released()
         return results
 
-    def _record_step(
-        self, started: float, ended: float, before: dict[str, int], prompt_lens: dict[str, int]
-    ) -> None:
-        step = step_stats(
-            self._scheduler.running, before, prompt_lens, self._encodes(), ended - started, ended
-        )
-        if step is not None:
-            self._num_prompt_tokens_computed += step.num_prefill_tokens
-            self._recent_steps.append(step)
-
-    def _encodes(self) -> dict[str, tuple[tuple[int, int], ...]]:
-        """``_Tracked.encodes`` of the requests with any, by vLLM's id."""
-        return {
-            vid: t.encodes for vid, t in self._by_internal_id(lambda t: bool(t.encodes)).items()
-        }
-
-    def _by_internal_id(self, keep: Callable[[_Tracked], bool]) -> dict[str, _Tracked]:
-        """The tracked requests ``keep`` selects, by vLLM's id for them (its scheduler's
-        ``request_id``: ours plus a suffix)."""
-        return {t.internal_id: t for t in self._tracked.values() if keep(t)}
+    def _by_vllm_id(self) -> dict[str, _Tracked]:
+        """The tracked requests by vLLM's id for them (its scheduler's ``request_id``:
+        ours plus a suffix)."""
+        return {t.internal_id: t for t in self._tracked.values()}
 
     def _convert(self, out: Any) -> RequestOutput | None:
         tracked = self._tracked.get(out.request_id)
@@ -335,14 +319,11 @@ class VllmEngine:
         self._forget_released()
         pool = scheduler.kv_cache_manager.block_pool
         total = int(pool.num_gpu_blocks) - 1  # block 0 is vLLM's null block
+        ours = self._by_vllm_id()
         # A continuation's outputs before this engine (vLLM counts from its prompt, which
-        # holds them), by vLLM's id.
-        prior = {
-            vid: t.num_prior_outputs
-            for vid, t in self._by_internal_id(lambda t: t.num_prior_outputs > 0).items()
-        }
-        encoding = self._encodes()
-        ours = self._by_internal_id(lambda t: True)
+        # holds them).
+        prior = {vid: t.num_prior_outputs for vid, t in ours.items()}
+        encoding = {vid: t.encodes for vid, t in ours.items() if t.encodes}
         # Requests whose prompt is not all computed, in the order vLLM takes them.
         prompting = [
             r
@@ -402,54 +383,3 @@ class VllmEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(list(token_ids))
         return text
-
-
-def step_stats(
-    running: Sequence[Any],
-    before: dict[str, int],
-    prompt_lens: dict[str, int],
-    encodes: dict[str, tuple[tuple[int, int], ...]],
-    duration_s: float,
-    ended: float,
-) -> StepStats | None:
-    """The step vLLM just took, from its running requests (``running``: vLLM's, after
-    the step) against their computed tokens before it (``before``) and their prompt
-    lengths: the prompt tokens it computed, the sequences it decoded, their context, and
-    the encodes it ran (``encodes``: by vLLM's id, (position, image tokens) of each
-    image vLLM encodes for the request; an image runs in the step whose chunk reaches
-    its first placeholder). None: it computed nothing."""
-    prefill_tokens = decode_seqs = context = 0
-    encoded: list[int] = []  # image tokens of each request whose images ran in the step
-    for r in running:
-        now = r.num_computed_tokens
-        context += now
-        was = before.get(r.request_id, 0)
-        if now <= was:
-            continue
-        if was < prompt_lens.get(r.request_id, r.num_prompt_tokens):
-            prefill_tokens += now - was
-            tokens = sum(n for at, n in encodes.get(r.request_id, ()) if was <= at < now)
-            if tokens:
-                encoded.append(tokens)
-        else:
-            decode_seqs += 1
-    if not prefill_tokens and not decode_seqs:
-        return None
-    return StepStats(
-        duration_s, prefill_tokens, decode_seqs, context, ended, len(encoded), sum(encoded)
-    )
-
-
-def images_to_encode(
-    requests: Sequence[Any], encodes: dict[str, tuple[tuple[int, int], ...]]
-) -> tuple[int, ...]:
-    """Per scheduled request (``requests``: vLLM's) with images it will still encode here
-    (``encodes``: as ``step_stats`` takes them), their image tokens: the images whose
-    first placeholder its prefill has not reached."""
-    out = []
-    for r in requests:
-        done = r.num_computed_tokens
-        tokens = sum(n for at, n in encodes.get(r.request_id, ()) if at >= done)
-        if tokens:
-            out.append(tokens)
-    return tuple(out)

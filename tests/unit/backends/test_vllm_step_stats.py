@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.backends.vllm.engine import images_to_encode, step_stats
+from services.backends.vllm.steps import images_to_encode, step_stats
 
 
 @dataclass
