@@ -208,6 +208,25 @@ def test_waiting_prompts_are_reported_with_their_request_ids(build: Build) -> No
     assert engine.stats().waiting_request_ids == ()
 
 
+def test_a_prefill_only_request_s_step_is_recorded_with_its_prompt(build: Build) -> None:
+    """The step that prefills a request for a decoder elsewhere (it finishes in that
+    step) is in the engine's recent steps with its prompt's tokens: a prefill worker's
+    cost model learns from nothing else."""
+    engine = build()
+    p = prompt_of(engine, "the cat sat on the mat and the dog")
+    started = max((s.end_s for s in engine.stats().recent_steps), default=0.0)
+    engine.add_request(EngineRequest("pf", p, greedy(4), prefill_only=True))
+    run(engine)
+    steps = [s for s in engine.stats().recent_steps if s.end_s > started]
+    assert sum(s.num_prefill_tokens for s in steps) == len(p), steps
+    engine.release_held("pf")
+    held_s = time.monotonic()
+    while engine.stats().num_held_blocks:  # vLLM frees its hold at the lease's end
+        assert time.monotonic() - held_s < LEASE_S + 3, "the lease never freed the hold"
+        engine.step()
+        time.sleep(0.05)
+
+
 def test_prefill_only_holds_blocks_until_released(build: Build) -> None:
     engine = build()
     p = prompt_of(engine)

@@ -223,7 +223,11 @@ class VllmEngine:
         outputs = self._llm.step()
         ended = time.monotonic()
         encodes = {vid: t.encodes for vid, t in self._by_vllm_id().items() if t.encodes}
-        step = step_stats(scheduler.running, before, prompt_lens, encodes, ended - started, ended)
+        # The step's requests as they are now: a prefill for a decoder elsewhere finished
+        # in it and left the running queue (vLLM keeps it, its KV held, until pulled).
+        known = scheduler.requests
+        stepped = [known[vid] for vid in before if vid in known]
+        step = step_stats(stepped, before, prompt_lens, encodes, ended - started, ended)
         if step is not None:
             self._num_prompt_tokens_computed += step.num_prefill_tokens
             self._recent_steps.append(step)

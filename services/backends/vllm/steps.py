@@ -23,8 +23,8 @@ def step_stats(
     duration_s: float,
     ended: float,
 ) -> StepStats | None:
-    """The step vLLM just took, from its running requests (``running``: vLLM's, after
-    the step) against their computed tokens before it (``before``) and their prompt
+    """The step vLLM just took, from its scheduled requests (``running``: vLLM's, as
+    they are after the step) against their computed tokens before it (``before``) and their prompt
     lengths: the prompt tokens it computed, the sequences it decoded, their context, and
     the encodes it ran (``encodes``: by vLLM's id, (position, image tokens) of each
     image vLLM encodes for the request; an image runs in the step whose chunk reaches
