@@ -250,6 +250,11 @@ class GatewayConfig(_Section):
     header_timeout_s: float = Field(
         10.0, gt=0, description="a connection's next request headers must arrive within this"
     )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a request's body must arrive within this from its headers; else a 408",
+    )
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="idle keep-alive connections close")
     max_connections: int = Field(
         2048, ge=1, description="open HTTP connections; a request on one past it gets a 503"

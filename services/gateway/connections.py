@@ -3,6 +3,9 @@
     header_timeout_s        a connection's next request line and headers must arrive
                             within this, from its opening or from the end of the
                             previous response; else it is closed (slowloris)
+    body_timeout_s          a request's body must arrive within this from the end of
+                            its headers; else a 408 in OpenAI's error shape, closed (a
+                            body that stops arriving held its connection for good)
     max_header_bytes        request line + headers; more: 431, closed
     keep_alive_timeout_s    an idle kept-alive connection is closed
     max_connections         a request that arrives while more connections are open
@@ -26,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.config import GatewayConfig
-from services.gateway.errors import NotReady
+from services.gateway.errors import BodyTimeout, NotReady
 
 __all__ = ["ConnectionLimits", "guarded_protocol", "uvicorn_config"]
 
@@ -40,10 +43,16 @@ class ConnectionLimits:
     header_timeout_s: float
     max_header_bytes: int
     max_connections: int
+    body_timeout_s: float = 30.0
 
     @classmethod
     def of(cls, gateway: GatewayConfig) -> ConnectionLimits:
-        return cls(gateway.header_timeout_s, gateway.max_header_bytes, gateway.max_connections)
+        return cls(
+            gateway.header_timeout_s,
+            gateway.max_header_bytes,
+            gateway.max_connections,
+            gateway.body_timeout_s,
+        )
 
 
 def uvicorn_config(app: ASGIApp, gateway: GatewayConfig, **kwargs: Any) -> uvicorn.Config:
@@ -64,12 +73,13 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 
 
 class _GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a header deadline, a header size cap and a
-    connection cap (uvicorn's own ``limit_concurrency`` answers plain text and counts
-    tasks, not connections)."""
+    """uvicorn's httptools protocol with a header deadline, a body deadline, a header
+    size cap and a connection cap (uvicorn's own ``limit_concurrency`` answers plain text
+    and counts tasks, not connections)."""
 
     _limits: ConnectionLimits
     _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
     _header_bytes = 0
     _headers_too_large = False
 
@@ -79,6 +89,7 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._disarm_body_timer()
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -95,6 +106,8 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
+        self._disarm_body_timer()
+        self._body_timer = self.loop.call_later(self._limits.body_timeout_s, self._on_body_timeout)
         if len(self.connections) <= self._limits.max_connections:
             super().on_headers_complete()
             return
@@ -104,6 +117,10 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
             super().on_headers_complete()
         finally:
             self.app = app
+
+    def on_message_complete(self) -> None:
+        self._disarm_body_timer()  # the body is in
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # a queued request starts now: its headers are in
@@ -144,6 +161,31 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _on_body_timeout(self) -> None:
+        """The body stopped arriving: a 408 if nothing was answered yet, and the
+        connection closes (the request's app sees the client gone)."""
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is None or not cycle.response_started:
+            seconds = self._limits.body_timeout_s
+            error = BodyTimeout(f"the request body did not arrive within {seconds:g} s")
+            body = json.dumps(error.body()).encode()
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"content-length: "
+                + str(len(body)).encode()
+                + b"\r\nconnection: close\r\n\r\n"
+                + body
+            )
+        self.transport.close()
 
 
 class _HeadersTooLarge(Exception):

@@ -4,6 +4,7 @@
      ├── BadRequest           400  invalid parameter, prompt over the context length
      ├── Unauthorized         401  missing or wrong API key
      ├── ModelNotFound        404  unknown model
+     ├── BodyTimeout          408  body not in within gateway.body_timeout_s of its headers
      ├── PayloadTooLarge      413  body over gateway.max_body_bytes
      ├── Overloaded           429  router rejected, too many requests in flight (Retry-After)
      │    └── RateLimited     429  a key over its limits (Retry-After, x-ratelimit-*)
@@ -22,6 +23,7 @@ from typing import Any
 __all__ = [
     "APIError",
     "BadRequest",
+    "BodyTimeout",
     "ModelNotFound",
     "NotReady",
     "Overloaded",
@@ -60,6 +62,11 @@ class APIError(Exception):
 class BadRequest(APIError):
     status_code = 400
     error_type = "BadRequestError"
+
+
+class BodyTimeout(APIError):
+    status_code = 408
+    error_type = "RequestTimeoutError"
 
 
 class Unauthorized(APIError):

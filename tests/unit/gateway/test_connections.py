@@ -15,7 +15,7 @@ import httpx
 
 from services.cluster.factories import FakeEngineFactory
 from tests.support.server import ServedGateway
-from tests.unit.gateway.conftest import fake_config, fake_service
+from tests.unit.gateway.conftest import MODEL, fake_config, fake_service
 
 
 @contextmanager
@@ -126,3 +126,29 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_its_request_aborted() ->
         sock.settimeout(10)
         elapsed_s, _ = _closed_after_s(sock)  # drains what was buffered, then EOF
         assert elapsed_s < 10
+
+
+def test_a_body_that_stops_arriving_gets_a_408_after_the_body_timeout() -> None:
+    with served(**{"gateway.body_timeout_s": 1.0, "gateway.header_timeout_s": 30}) as server:
+        sock = _connect(server)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"model":"tiny"'
+        )
+        elapsed_s, data = _closed_after_s(sock)
+        assert 0.8 <= elapsed_s < 3.0
+        assert data.startswith(b"HTTP/1.1 408")
+        error = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["type"] == "RequestTimeoutError" and "1 s" in error["message"]
+        # A body that arrives in time, slowly, is served.
+        sock = _connect(server)
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        for i in range(0, len(body), 8):
+            sock.sendall(body[i : i + 8])
+            time.sleep(0.05)
+        _, data = _closed_after_s(sock)
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
