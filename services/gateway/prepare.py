@@ -89,9 +89,14 @@ def _sampling(
 
 
 def _check_length(
-    svc: GatewayService, prompt: tuple[int, ...], max_tokens: int | None, prompt_param: str
+    svc: GatewayService,
+    prompt: tuple[int, ...],
+    max_tokens: int | None,
+    prompt_param: str,
+    max_tokens_param: str = "max_tokens",
 ) -> int:
-    """The request's max_tokens, after checking the prompt fits the context."""
+    """The request's max_tokens, after checking the prompt fits the context
+    (``max_tokens_param``: the field the client set it with)."""
     if not prompt:
         raise BadRequest("the prompt is empty", prompt_param)
     max_len = svc.max_model_len()
@@ -109,8 +114,8 @@ def _check_length(
         raise BadRequest(
             f"This model's maximum context length is {max_len} tokens. You requested "
             f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} "
-            "for the completion). Reduce the prompt or max_tokens.",
-            "max_tokens",
+            f"for the completion). Reduce the prompt or {max_tokens_param}.",
+            max_tokens_param,
         )
     return max_tokens
 
@@ -136,8 +141,11 @@ def _generation(
                 "a forced tool call cannot also follow a response format", "tool_choice"
             )
         structured = tool_constraint(tools)
+    max_tokens_param = (
+        "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+    )
     for p_index, prompt in enumerate(prompts):
-        budget = _check_length(svc, prompt, max_tokens, prompt_param)
+        budget = _check_length(svc, prompt, max_tokens, prompt_param, max_tokens_param)
         for j in range(body.n):
             index = p_index * body.n + j
             sampling = _sampling(body, budget, logprobs, j, structured)

@@ -78,6 +78,17 @@ class ChatMessage(_Body):
     tool_calls: list[ToolCall] | None = Field(None, max_length=128)
     tool_call_id: str | None = Field(None, max_length=256)
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        """Every message carries content, but an assistant's that makes tool calls
+        (as OpenAI requires): a user message without it was read as empty text."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                f"a {self.role!r} message needs its 'content' field"
+                + (" (or 'tool_calls')" if self.role == "assistant" else "")
+            )
+        return self
+
 
 class FunctionDef(_Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")

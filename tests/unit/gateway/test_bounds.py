@@ -178,3 +178,35 @@ async def test_an_unknown_route_or_method_says_what_is_served(gateway: Any) -> N
     body = {**BODY, "model": "nope"}
     unknown = await client.post("/v1/completions", json=body)
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
+
+
+async def test_a_completion_budget_past_the_context_is_named_by_the_field_it_came_in(
+    gateway: Any,
+) -> None:
+    _, client = await gateway()
+    chat = {**BODY, "messages": [{"role": "user", "content": "hi"}]}
+    del chat["max_tokens"]
+    for field in ("max_completion_tokens", "max_tokens"):
+        r = await client.post("/v1/chat/completions", json={**chat, field: 100_000})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and f"Reduce the prompt or {field}" in error["message"]
+
+
+@pytest.mark.parametrize("role", ["user", "system", "tool", "assistant"])
+async def test_a_message_without_content_is_a_400(gateway: Any, role: str) -> None:
+    _, client = await gateway()
+    messages = [{"role": role}, {"role": "user", "content": "hi"}]
+    r = await client.post("/v1/chat/completions", json={**BODY, "messages": messages})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages.0" and "needs its 'content' field" in error["message"]
+    # An assistant's tool calls stand in for its content.
+    call = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
+    turn = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "4"},
+    ]
+    r = await client.post("/v1/chat/completions", json={**BODY, "messages": turn})
+    assert r.status_code == 200, r.text
