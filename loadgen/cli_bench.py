@@ -124,13 +124,40 @@ def load_tokenizer_folder(path: str) -> Tokenizer:
 
 
 def _compare(a: Path, b: Path) -> int:
-    try:
-        sa, sb = load_summary(a), load_summary(b)
-    except (FileNotFoundError, json.JSONDecodeError) as e:
-        print(f"baton bench --compare: {e}", file=sys.stderr)
+    """Two runs side by side; two sweeps (``sweep.json`` and a ``run-<rate>`` folder a
+    rate) run by run, at each rate both ran."""
+    runs_a, runs_b = _runs(a), _runs(b)
+    if (None in runs_a) != (None in runs_b):
+        print(
+            f"baton bench --compare: {a} and {b} are not both runs or both sweeps; compare "
+            "a sweep's rate with a run as SWEEP/run-<rate>",
+            file=sys.stderr,
+        )
         return 2
-    print(compare_table(sa, sb, names=(a.name or str(a), b.name or str(b))))
+    common = [name for name in runs_a if name in runs_b]
+    if not common:
+        print(f"baton bench --compare: {a} and {b} ran no rate in common", file=sys.stderr)
+        return 2
+    names = (a.name or str(a), b.name or str(b))
+    tables = []
+    for name in common:
+        try:
+            sa, sb = load_summary(runs_a[name]), load_summary(runs_b[name])
+        except (FileNotFoundError, json.JSONDecodeError) as e:
+            print(f"baton bench --compare: {e}", file=sys.stderr)
+            return 2
+        table = compare_table(sa, sb, names=names)
+        tables.append(table if name is None else f"{'=' * 12} {name} {'=' * 12}\n{table}")
+    print("\n\n".join(tables))
     return 0
+
+
+def _runs(path: Path) -> dict[str | None, Path]:
+    """A sweep folder's runs by folder name (``run-4``), else ``{None: path}``."""
+    if not (path / "summary.json").exists() and (path / "sweep.json").exists():
+        runs = sorted(path.glob("run-*"), key=lambda p: (len(p.name), p.name))
+        return {p.name: p for p in runs if (p / "summary.json").exists()}
+    return {None: path}
 
 
 def _slug(label: str) -> str:

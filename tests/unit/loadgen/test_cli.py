@@ -55,6 +55,26 @@ def test_bench_writes_run_folder_and_compares(
     assert "completed" in table and "B/A" in table and "1.000" in table  # 4 vs 4 completed
 
 
+def test_bench_compares_two_sweeps_rate_by_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["bench", "--input-len", "8", "--output-len", "2", "--num-requests", "3"]
+    with serve() as url:
+        for name, rates in (("a", "20,40"), ("b", "40,80")):
+            out = str(tmp_path / name)
+            assert main([*common, "--base-url", url, "--rate", rates, "--out", out]) == 0
+    capsys.readouterr()
+    assert main(["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "run-40" in out and "run-20" not in out and "run-80" not in out  # the common rate
+    assert "B/A" in out
+    # A sweep against one run: a clear exit 2, naming how to pick a sweep's rate.
+    run = str(tmp_path / "a" / "run-20")
+    assert main(["bench", "--compare", str(tmp_path / "a"), run]) == 2
+    assert "SWEEP/run-<rate>" in capsys.readouterr().err
+    assert main(["bench", "--compare", run, str(tmp_path / "b" / "run-80")]) == 0
+
+
 def test_bench_takes_a_client_s_base_url_and_refuses_a_model_not_served(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
