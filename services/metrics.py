@@ -97,7 +97,8 @@ class BatonMetrics:
         )
         self.requests = Counter(
             "baton_requests",
-            "Finished requests by outcome (success, error, rejected, aborted)",
+            "Finished requests by outcome (success, error, rejected, aborted); one a choice: "
+            "a request with n choices runs n on the workers and counts n",
             ["model", "outcome"],
             registry=r,
         )
@@ -108,7 +109,10 @@ class BatonMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "baton_prompt_tokens", "Prompt tokens processed", ["model"], registry=r
+            "baton_prompt_tokens",
+            "Prompt tokens processed, once a choice (usage counts a request's prompt once)",
+            ["model"],
+            registry=r,
         )
         self.generation_tokens = Counter(
             "baton_generation_tokens", "Tokens generated", ["model"], registry=r
