@@ -202,8 +202,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _error_response(validation_error(e.errors()))
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        return _error_response(validation_error(e.errors(), content_type))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

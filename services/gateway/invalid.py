@@ -33,11 +33,12 @@ _PLAIN_TAGS = frozenset({"str", "int", "float", "bool", "none", "bytes", "any"})
 _MISDIRECTED = frozenset({"literal_error", "union_tag_invalid"})
 
 
-def validation_error(errors: Sequence[Any]) -> BadRequest:
+def validation_error(errors: Sequence[Any], content_type: str = "") -> BadRequest:
     """The 400 for a body FastAPI could not validate: the error the client got closest
     to, naming its field; a body that is not JSON, or not a JSON object, is said to be
     so (pydantic's own words for those name no field, or a character offset as if it
-    were one)."""
+    were one), and a body sent as another ``content_type`` than JSON (which FastAPI does
+    not parse, whatever it holds) is told which to send."""
     first = errors[0] if errors else {}
     kind = first.get("type")
     loc = tuple(first.get("loc", ()))
@@ -49,6 +50,12 @@ def validation_error(errors: Sequence[Any]) -> BadRequest:
     if loc == ("body",):
         if kind == "missing":
             return BadRequest("the request body is empty: send a JSON object")
+        media = content_type.split(";")[0].strip().lower()
+        if media and media != "application/json" and not media.endswith("+json"):
+            return BadRequest(
+                f"the request body must be JSON, sent as Content-Type: application/json "
+                f"(it came as {media})"
+            )
         return BadRequest("the request body must be a JSON object")
     path, message = _closest(errors) if errors else ((), "invalid request")
     fields = ".".join(map(str, path))

@@ -157,6 +157,15 @@ async def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(
     assert ok.status_code == 200, ok.text
 
 
+async def test_json_sent_as_another_content_type_is_told_which_to_send(gateway: Any) -> None:
+    _, client = await gateway()
+    body = json.dumps(BODY).encode()
+    r = await client.post("/v1/completions", content=body, headers={"content-type": "text/plain"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and "text/plain" in message
+
+
 async def test_an_unknown_route_or_method_says_what_is_served(gateway: Any) -> None:
     _, client = await gateway()
     missing = await client.post("/v1/embeddings", json={"input": "x"})
