@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.engine.messages import TokenLogprob
+from services.gateway.token_bytes import token_bytes
 from services.gateway.tokens import Tokenizer
 
 __all__ = ["DONE", "Endpoint", "Formatter", "LogprobsAcc", "sse", "usage"]
@@ -43,47 +44,86 @@ def _finish(reason: str | None) -> str | None:
     return None if reason is None else "stop"
 
 
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One token as the logprobs fields show it."""
+
+    token_id: int
+    text: str
+    logprob: float
+    raw: bytes  # the token's own bytes (token_bytes.py), not ``text`` re-encoded
+
+
 @dataclass(slots=True)
 class LogprobsAcc:
-    """Logprobs of one choice, accumulated (non-streaming) or per chunk (streaming)."""
+    """Logprobs of one choice: accumulated and rendered once (non-streaming), or
+    rendered per chunk with ``take`` (streaming).
+
+    ``chars`` is the character offset of the next token in the choice's returned text,
+    so ``text_offset`` runs on across chunks; an echoed prompt starts it at the
+    prompt text's length.
+    """
 
     endpoint: Endpoint
-    tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[str, float]]] = field(default_factory=list)
-    text_offset: list[int] = field(default_factory=list)
     chars: int = 0
+    tokens: list[_Entry] = field(default_factory=list)
+    top: list[list[_Entry]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
 
     def add(self, tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob]) -> None:
         for lp in logprobs:
-            text = tokenizer.decode([lp.token_id])
-            self.tokens.append(text)
-            self.token_logprobs.append(lp.logprob)
-            self.top.append([(tokenizer.decode([t]), v) for t, v in lp.top])
+            entry = _entry(tokenizer, lp.token_id, lp.logprob)
+            self.tokens.append(entry)
+            self.top.append([_entry(tokenizer, t, v) for t, v in lp.top])
             self.text_offset.append(self.chars)
-            self.chars += len(text)
+            self.chars += len(entry.text)
+
+    def take(self) -> dict[str, Any]:
+        """Render the tokens added since the last ``take`` and forget them (not ``chars``)."""
+        out = self.render()
+        self.tokens, self.top, self.text_offset = [], [], []
+        return out
 
     def render(self) -> dict[str, Any]:
         if self.endpoint == "completion":
             return {
-                "tokens": self.tokens,
-                "token_logprobs": self.token_logprobs,
-                "top_logprobs": [dict(t) for t in self.top],
+                "tokens": [e.text for e in self.tokens],
+                "token_logprobs": [e.logprob for e in self.tokens],
+                "top_logprobs": [_top_dict(e, top) for e, top in zip(self.tokens, self.top)],
                 "text_offset": self.text_offset,
             }
         return {
             "content": [
                 {
-                    "token": tok,
-                    "logprob": lp,
-                    "bytes": list(tok.encode()),
-                    "top_logprobs": [
-                        {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
-                    ],
+                    **_chat_entry(e),
+                    "top_logprobs": [_chat_entry(t) for t in top],
                 }
-                for tok, lp, top in zip(self.tokens, self.token_logprobs, self.top)
+                for e, top in zip(self.tokens, self.top)
             ]
         }
+
+
+def _entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> _Entry:
+    text = tokenizer.decode([token_id])
+    return _Entry(token_id, text, logprob, token_bytes(tokenizer, token_id, text))
+
+
+def _chat_entry(e: _Entry) -> dict[str, Any]:
+    return {"token": e.text, "logprob": e.logprob, "bytes": list(e.raw)}
+
+
+def _top_dict(sampled: _Entry, top: Sequence[_Entry]) -> dict[str, float]:
+    # Completions key top_logprobs by token text, so different tokens with the same text
+    # (byte tokens that all show as U+FFFD) collide. Each text keeps its first, most
+    # likely, token's logprob, except that the sampled token's text, when the sampled
+    # token is among them, keeps the sampled token's own logprob: ``tokens[i]`` looked
+    # up in ``top_logprobs[i]`` gives ``token_logprobs[i]``.
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t.text, t.logprob)
+    if any(t.token_id == sampled.token_id for t in top):
+        out[sampled.text] = sampled.logprob
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,7 +191,7 @@ async def _collect(
     n = len(gen.choices)
     texts = [""] * n
     finish: list[str | None] = [None] * n
-    accs = [LogprobsAcc(gen.endpoint) for _ in range(n)]
+    accs = _logprobs_accs(gen)
 
     def take(i: int, d: TokenDelta) -> None:
         timers[i].on_delta(d)
@@ -244,6 +244,7 @@ async def _stream_body(
     shapers = None
     if gen.endpoint == "chat" and not gen.shape.is_plain:
         shapers = [ChoiceShaper(gen.shape) for _ in range(n)]
+    accs = _logprobs_accs(gen)
     outcome = "aborted"
     try:
         for c in gen.choices:
@@ -258,9 +259,8 @@ async def _stream_body(
             timers[i].on_delta(d)
             logprobs = None
             if gen.logprobs and d.logprobs:
-                acc = LogprobsAcc(gen.endpoint)
-                acc.add(svc.tokenizer, d.logprobs)
-                logprobs = acc.render()
+                accs[i].add(svc.tokenizer, d.logprobs)
+                logprobs = accs[i].take()
             finish = d.finish_reason.value if d.finish_reason is not None else None
             shaped = StreamDelta(content=d.text, finish_reason=finish)
             if shapers is not None:  # reasoning, tool calls: split out of the text
@@ -297,6 +297,18 @@ async def _stream_body(
         svc.finish()
         on_finish(sum(t.num_output_tokens for t in timers))
         await events.aclose()
+
+
+def _logprobs_accs(gen: Generation) -> list[LogprobsAcc]:
+    """One per choice; an echoed prompt comes first in the text, so offsets start after it.
+
+    The echoed prompt's own tokens get no logprobs: the engine does not compute them.
+    """
+    echo = gen.echo_texts
+    return [
+        LogprobsAcc(gen.endpoint, chars=len(echo[c.prompt_index]) if echo else 0)
+        for c in gen.choices
+    ]
 
 
 def _running_usage(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> dict[str, int]:

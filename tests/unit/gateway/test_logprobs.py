@@ -1,0 +1,111 @@
+"""Logprobs fields: text_offset across chunks and after an echo, token bytes, top_logprobs keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.engine.messages import TokenLogprob
+from services.engine.tokenizer import ByteTokenizer, HFTokenizer
+from services.gateway.openai_format import LogprobsAcc
+from services.gateway.token_bytes import _byte_level_decoder, token_bytes
+from tests.unit.gateway.conftest import MODEL
+
+_REPLACEMENT = "\ufffd"
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    frames = [f[len("data: ") :] for f in text.split("\n\n") if f.startswith("data: {")]
+    return [json.loads(f) for f in frames]
+
+
+@pytest.mark.asyncio
+async def test_text_offset_is_the_same_streamed_and_counts_the_echo(gateway: Any) -> None:
+    _, client = await gateway()
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "logprobs": 1, "ignore_eos": True}
+    whole = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+    assert whole["logprobs"]["text_offset"] == [0, 1, 2, 3, 4, 5]
+
+    stream = await client.post("/v1/completions", json={**body, "stream": True})
+    offsets = [
+        o
+        for e in _events(stream.text)
+        if e["choices"][0]["logprobs"]
+        for o in e["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert offsets == whole["logprobs"]["text_offset"]
+
+    for stream_it in (False, True):
+        echoed = await client.post(
+            "/v1/completions", json={**body, "echo": True, "stream": stream_it}
+        )
+        if stream_it:
+            chunks = [e["choices"][0] for e in _events(echoed.text)]
+            text = "".join(c["text"] for c in chunks)
+            offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+            tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        else:
+            choice = echoed.json()["choices"][0]
+            text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+            tokens = choice["logprobs"]["tokens"]
+        # The prompt's own tokens carry no logprobs; the generated ones sit after it.
+        assert text.startswith("abc") and offsets == [3, 4, 5, 6, 7, 8]
+        assert [text[o : o + len(t)] for o, t in zip(offsets, tokens)] == tokens
+
+
+def _byte_level_tokenizer(folder: Path) -> HFTokenizer:
+    """GPT-2 style byte-level BPE: the 256 byte characters and one word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    to_char = {b: c for c, b in _byte_level_decoder().items()}
+    vocab = {to_char[b]: b for b in range(256)} | {"Ġhi": 256}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(folder))
+    return HFTokenizer(folder)
+
+
+def _byte_fallback_tokenizer(folder: Path) -> HFTokenizer:
+    """SentencePiece style: words, and ``<0xC8>`` for a byte no word covers."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "a": 1, "<0xC8>": 2, "▁b": 3}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(folder))
+    return HFTokenizer(folder)
+
+
+def test_bytes_are_the_tokens_own_bytes(tmp_path: Path) -> None:
+    acc = LogprobsAcc("chat")
+    acc.add(ByteTokenizer(), [TokenLogprob(200, -0.1, ((200, -0.1), (201, -2.5), (65, -3.0)))])
+    (entry,) = acc.render()["content"]
+    assert entry["token"] == _REPLACEMENT and entry["bytes"] == [200]
+    assert [t["bytes"] for t in entry["top_logprobs"]] == [[200], [201], [65]]
+
+    byte_level = _byte_level_tokenizer(tmp_path / "byte_level")
+    assert byte_level.decode([200]) == _REPLACEMENT
+    assert token_bytes(byte_level, 200) == b"\xc8"
+    assert token_bytes(byte_level, 256) == b" hi"
+    fallback = _byte_fallback_tokenizer(tmp_path / "byte_fallback")
+    assert fallback.decode([2]) == _REPLACEMENT
+    assert token_bytes(fallback, 2) == b"\xc8"
+    assert token_bytes(fallback, 3) == b" b"
+
+
+def test_top_logprobs_keeps_the_sampled_tokens_own_logprob() -> None:
+    # 200, 201 and 202 are lone UTF-8 lead bytes: all three show as U+FFFD.
+    top = ((200, -0.5), (201, -1.0), (202, -2.0), (65, -3.0))
+    acc = LogprobsAcc("completion")
+    acc.add(ByteTokenizer(), [TokenLogprob(201, -1.0, top), TokenLogprob(65, -3.0, top)])
+    first, second = acc.render()["top_logprobs"]
+    assert first == {_REPLACEMENT: -1.0, "A": -3.0}  # the sampled 201, not 200 or 202
+    assert second == {_REPLACEMENT: -0.5, "A": -3.0}  # otherwise the most likely
