@@ -78,7 +78,10 @@ class Reservation:
     def encoding(self) -> bool:
         """Its images are still on encode workers (one has not answered): it reaches
         its prefill worker's queue only then."""
-        return any(w in self.workers for w in self.plan.encode_workers)
+        plan = self.plan
+        if plan.encode_worker is None and not plan.encode_parts:
+            return False  # most plans: asked for every reservation of every view built
+        return any(w in self.workers for w in plan.encode_workers)
 
 
 class Reservations:
@@ -253,15 +256,16 @@ def worker_view(
         added: list[RunningRequest] = []
         for r in reserved:
             started = r.started_seq is not None  # only where it runs: see ``start``
-            if r.plan.prefill_worker == wid and not started and r.encoding:
-                encoding_requests += 1
-                encoding_tokens += r.prefill_tokens
-            elif r.plan.prefill_worker == wid and not started and not r.queue_reported:
-                queued_tokens[r.length_class] += r.prefill_tokens
-                queued_requests[r.length_class] += 1
-                if r.image_tokens and r.plan.encode_worker is None:  # encoded here
-                    num_encodes += 1
-                    encode_tokens += r.image_tokens
+            if r.plan.prefill_worker == wid and not started:
+                if r.encoding:  # not in the queue until its images land
+                    encoding_requests += 1
+                    encoding_tokens += r.prefill_tokens
+                elif not r.queue_reported:  # else the report counts it
+                    queued_tokens[r.length_class] += r.prefill_tokens
+                    queued_requests[r.length_class] += 1
+                    if r.image_tokens and r.plan.encode_worker is None:  # encoded here
+                        num_encodes += 1
+                        encode_tokens += r.image_tokens
             if r.plan.encode_worker == wid or r.encode_tokens:  # an encode queue: images
                 share = r.image_tokens if r.encode_tokens is None else r.encode_tokens.get(wid, 0)
                 queued_tokens[LengthClass.SHORT] += share

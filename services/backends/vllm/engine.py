@@ -357,9 +357,7 @@ class VllmEngine:
                 ours[r.request_id].request.request_id if r.request_id in ours else r.request_id
                 for r in prompting
             ),
-            waiting_image_tokens=images_to_encode(
-                (*scheduler.running, *scheduler.waiting), encoding
-            ),
+            waiting_image_tokens=images_to_encode(prompting, encoding),
             recent_steps=tuple(self._recent_steps),
             recent_output_lens=tuple(self._recent_output_lens),
             num_preemptions=sum(int(r.num_preemptions) for r in scheduler.requests.values()),
