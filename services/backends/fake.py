@@ -297,6 +297,7 @@ class FakeEngine:
             new_token_ids=(token,),
             finish_reason=finish,
             logprobs=self._logprobs(token, sampling.logprobs),
+            prompt_logprobs=self._prompt_logprobs(seq),
             num_prompt_tokens=seq.num_prompt,
             num_output_tokens=len(seq.output_ids),
             held_kv=held,
@@ -320,8 +321,24 @@ class FakeEngine:
     def _logprobs(token: int, k: int | None) -> tuple[TokenLogprob, ...] | None:
         if k is None:
             return None
-        top = tuple((token if i == 0 else ord("a") + i, -0.5 - i) for i in range(k))
-        return (TokenLogprob(token, -0.5, top),)
+        return (TokenLogprob(token, -0.5, FakeEngine._top(token, k)),)
+
+    @staticmethod
+    def _top(token: int, k: int) -> tuple[tuple[int, float], ...]:
+        return tuple((token if i == 0 else ord("a") + i, -0.5 - i) for i in range(k))
+
+    @classmethod
+    def _prompt_logprobs(cls, seq: _Seq) -> tuple[TokenLogprob, ...] | None:
+        """With the first token of a request that computed its prompt here: prompt
+        token ``i`` at ``-i / 100``, the likeliest, then its alternatives."""
+        request = seq.request
+        k = request.sampling.prompt_logprobs
+        if k is None or request.output_token_ids or len(seq.output_ids) != 1:
+            return None
+        return tuple(
+            TokenLogprob(t, -i / 100, ((t, -i / 100), *cls._top(t, k)[1:]) if k else ())
+            for i, t in enumerate(request.prompt_token_ids[1:], start=1)
+        )
 
     def _remember_step(self, num_prefill: int, num_seqs: int) -> None:
         if num_seqs == 0:

@@ -42,6 +42,7 @@ from services.engine.messages import (
     TokenLogprob,
 )
 from services.engine.multimodal import EncoderCache, ImageResolver, image_embeds_for_step
+from services.engine.prompt_logprobs import add_prompt_logprobs, prompt_spans
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledRequest, Scheduler
@@ -189,9 +190,12 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         inputs = build_step_inputs(plan.scheduled, self.block_manager)
+        spans = prompt_spans(plan.scheduled)  # before the step advances the requests
         hidden = self.model.forward(
             inputs.batch, self.kv, self._inputs_embeds(plan.scheduled, inputs)
         )
+        if spans:
+            add_prompt_logprobs(hidden, spans, self.model.compute_logits)
         self._advance(plan.scheduled)
         token_ids, logprobs = self._sample(hidden, inputs)
         outputs = [
@@ -260,11 +264,15 @@ class LLMEngine:
         grammar_done = r.grammar is not None and _grammar_ends(r.grammar, token_id)
         reason = FinishReason.STOP if grammar_done else self._finish_reason(r, token_id)
         held = self._finish(r, reason) if reason is not None else None
+        prompt_logprobs = None
+        if r.prompt_logprobs is not None:  # its first output: they go with it, once
+            prompt_logprobs, r.prompt_logprobs = tuple(r.prompt_logprobs), None
         return RequestOutput(
             request_id=r.request_id,
             new_token_ids=(token_id,),
             finish_reason=reason,
             logprobs=(lp,) if lp is not None and r.sampling.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=r.num_output_tokens,
             num_cached_tokens=r.num_cached_tokens,

@@ -112,6 +112,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k >= 0: chosen token plus k alternatives
+    # The prompt's own tokens, each given the ones before it (vLLM's ``prompt_logprobs``):
+    # None: none; k >= 0: the prompt token plus k alternatives, sent with the first token.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
@@ -144,6 +147,11 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(
                 f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+                "prompt_logprobs",
             )
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise InvalidRequestError(
@@ -227,6 +235,9 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # With ``prompt_logprobs`` asked for, on the request's first output from the engine
+    # that computed its prompt: prompt tokens 1..P-1, each given those before it.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, including adopted ones
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

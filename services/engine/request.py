@@ -38,6 +38,10 @@ class Request:
     # whose placeholders then read as their content (services/engine/block_hash.py).
     hash_token_ids: list[int] = field(default_factory=list)
     image_embeds: list[Any] = field(default_factory=list)  # (offset, [n, hidden]) per image
+    # Prompt logprobs computed so far (tokens 1, 2, ...), while they are wanted and not yet
+    # sent: None for a request that asked for none, continues one started elsewhere, or
+    # has sent them with its first output.
+    prompt_logprobs: list[Any] | None = None
     images: tuple[Any, ...] = ()  # its ImageInputs: resolved on demand (an adopted one's
     # KV arrived from elsewhere, so only a recompute after a preemption needs them)
 
@@ -61,7 +65,18 @@ class Request:
             arrival_time_s=message.arrival_time_s,
             output_token_ids=list(message.output_token_ids),
             num_adopted_outputs=len(message.output_token_ids),
+            # A continuation's prompt logprobs went out with its first token, elsewhere.
+            prompt_logprobs=[]
+            if message.sampling.prompt_logprobs is not None and not message.output_token_ids
+            else None,
         )
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Prompt logprobs wanted and not all computed: its prompt runs without the prefix
+        cache (a cached position has no logits)."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens - 1
 
     @property
     def num_prompt_tokens(self) -> int:

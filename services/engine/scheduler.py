@@ -175,7 +175,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            token_ids = request.hash_token_ids
+            # Logits for every prompt position wanted: nothing read from the prefix cache.
+            token_ids = () if request.computes_prompt_logprobs else request.hash_token_ids
             num_hit_tokens = len(bm.find_cached_prefix(token_ids)) * bm.block_size
             num_to_compute = request.num_tokens - num_hit_tokens
             num_new = min(num_to_compute, budget, cap)

@@ -167,7 +167,10 @@ class PlanExecutor:
             num_images=len(images),
             image_tokens=tuple(image.num_tokens for image in images),
             slo=slo or SLO(),
-            prefix_hashes=self._prefix_hashes(prompt_token_ids, images),
+            # Prompt logprobs: the engine computes the whole prompt, cached or not.
+            prefix_hashes=()
+            if sampling.prompt_logprobs is not None
+            else self._prefix_hashes(prompt_token_ids, images),
             priority=priority,
             arrival_s=arrival_s,
         )

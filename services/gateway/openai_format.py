@@ -50,7 +50,7 @@ class _Entry:
 
     token_id: int
     text: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing before it)
     raw: bytes  # the token's own bytes (token_bytes.py), not ``text`` re-encoded
 
 
@@ -67,16 +67,37 @@ class LogprobsAcc:
     endpoint: Endpoint
     chars: int = 0
     tokens: list[_Entry] = field(default_factory=list)
-    top: list[list[_Entry]] = field(default_factory=list)
+    top: list[list[_Entry] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
     def add(self, tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob]) -> None:
         for lp in logprobs:
-            entry = _entry(tokenizer, lp.token_id, lp.logprob)
-            self.tokens.append(entry)
-            self.top.append([_entry(tokenizer, t, v) for t, v in lp.top])
-            self.text_offset.append(self.chars)
-            self.chars += len(entry.text)
+            self._append(
+                _entry(tokenizer, lp.token_id, lp.logprob),
+                [_entry(tokenizer, t, v) for t, v in lp.top],
+            )
+
+    def add_prompt(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprob] | None,
+    ) -> None:
+        """An echoed prompt's tokens, before the output's: the first (nothing before
+        it) with a null logprob and null alternatives, as OpenAI shows it; the others
+        as ``logprobs`` (prompt tokens 1.. from the engine; null where it sent none)."""
+        for i, token_id in enumerate(prompt_token_ids):
+            lp = logprobs[i - 1] if logprobs is not None and 0 < i <= len(logprobs) else None
+            if lp is None:
+                self._append(_entry(tokenizer, token_id, None), None)
+            else:
+                self.add(tokenizer, (lp,))
+
+    def _append(self, entry: _Entry, top: list[_Entry] | None) -> None:
+        self.tokens.append(entry)
+        self.top.append(top)
+        self.text_offset.append(self.chars)
+        self.chars += len(entry.text)
 
     def take(self) -> dict[str, Any]:
         """Render the tokens added since the last ``take`` and forget them (not ``chars``)."""
@@ -89,21 +110,24 @@ class LogprobsAcc:
             return {
                 "tokens": [e.text for e in self.tokens],
                 "token_logprobs": [e.logprob for e in self.tokens],
-                "top_logprobs": [_top_dict(e, top) for e, top in zip(self.tokens, self.top)],
+                "top_logprobs": [
+                    None if top is None else _top_dict(e, top)
+                    for e, top in zip(self.tokens, self.top)
+                ],
                 "text_offset": self.text_offset,
             }
         return {
             "content": [
                 {
                     **_chat_entry(e),
-                    "top_logprobs": [_chat_entry(t) for t in top],
+                    "top_logprobs": [_chat_entry(t) for t in top or ()],
                 }
                 for e, top in zip(self.tokens, self.top)
             ]
         }
 
 
-def _entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> _Entry:
+def _entry(tokenizer: Tokenizer, token_id: int, logprob: float | None) -> _Entry:
     text = tokenizer.decode([token_id])
     return _Entry(token_id, text, logprob, token_bytes(tokenizer, token_id, text))
 
@@ -112,13 +136,13 @@ def _chat_entry(e: _Entry) -> dict[str, Any]:
     return {"token": e.text, "logprob": e.logprob, "bytes": list(e.raw)}
 
 
-def _top_dict(sampled: _Entry, top: Sequence[_Entry]) -> dict[str, float]:
+def _top_dict(sampled: _Entry, top: Sequence[_Entry]) -> dict[str, float | None]:
     # Completions key top_logprobs by token text, so different tokens with the same text
     # (byte tokens that all show as U+FFFD) collide. Each text keeps its first, most
     # likely, token's logprob, except that the sampled token's text, when the sampled
     # token is among them, keeps the sampled token's own logprob: ``tokens[i]`` looked
     # up in ``top_logprobs[i]`` gives ``token_logprobs[i]``.
-    out: dict[str, float] = {}
+    out: dict[str, float | None] = {}
     for t in top:
         out.setdefault(t.text, t.logprob)
     if any(t.token_id == sampled.token_id for t in top):

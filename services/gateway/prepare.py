@@ -49,6 +49,7 @@ class Generation:
     continuous_usage: bool
     logprobs: bool
     echo_texts: tuple[str, ...] = ()
+    prompt_logprobs: bool = False  # echo with logprobs: the echoed tokens' logprobs too
     shape: ShapeSpec = field(default_factory=ShapeSpec)  # chat: reasoning, tool calls
     slo: SLO = field(default_factory=SLO)  # as asked; the service fills in the defaults
     priority: Priority = Priority.INTERACTIVE
@@ -211,4 +212,10 @@ def prepare_completion(
     if body.echo:
         echo = tuple(svc.tokenizer.decode(p) for p in prompts)
         gen = replace(gen, echo_texts=echo)
+        if body.logprobs is not None:  # the echoed tokens get theirs, as vLLM gives them
+            choices = tuple(
+                replace(c, sampling=replace(c.sampling, prompt_logprobs=body.logprobs))
+                for c in gen.choices
+            )
+            gen = replace(gen, choices=choices, prompt_logprobs=True)
     return gen

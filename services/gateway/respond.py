@@ -192,10 +192,14 @@ async def _collect(
     texts = [""] * n
     finish: list[str | None] = [None] * n
     accs = _logprobs_accs(gen)
+    echoed = [False] * n  # an echoed prompt's logprobs added (with its first delta)
 
     def take(i: int, d: TokenDelta) -> None:
         timers[i].on_delta(d)
         texts[i] += d.text
+        if gen.prompt_logprobs and not echoed[i]:
+            echoed[i] = True
+            accs[i].add_prompt(svc.tokenizer, gen.choices[i].prompt_token_ids, d.prompt_logprobs)
         if d.logprobs:
             accs[i].add(svc.tokenizer, d.logprobs)
         if d.finish_reason is not None:
@@ -245,17 +249,24 @@ async def _stream_body(
     if gen.endpoint == "chat" and not gen.shape.is_plain:
         shapers = [ChoiceShaper(gen.shape) for _ in range(n)]
     accs = _logprobs_accs(gen)
+    # An echoed prompt with its logprobs waits for them: its choice's first delta.
+    echoed = [not gen.prompt_logprobs] * n
     outcome = "aborted"
     try:
         for c in gen.choices:
             usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
             if gen.endpoint == "chat":
                 yield sse(fmt.chunk(c.index, "", None, first=True, usage_now=usage_now))
-            elif gen.echo_texts:
+            elif gen.echo_texts and echoed[c.index]:
                 yield sse(fmt.chunk(c.index, gen.echo_texts[c.prompt_index], None))
         pending = [first] if first is not None else []
         async for item in _chain(pending, events):
             i, d = item
+            if not echoed[i]:
+                echoed[i] = True
+                c = gen.choices[i]
+                accs[i].add_prompt(svc.tokenizer, c.prompt_token_ids, d.prompt_logprobs)
+                yield sse(fmt.chunk(i, gen.echo_texts[c.prompt_index], None, accs[i].take()))
             timers[i].on_delta(d)
             logprobs = None
             if gen.logprobs and d.logprobs:
@@ -300,13 +311,13 @@ async def _stream_body(
 
 
 def _logprobs_accs(gen: Generation) -> list[LogprobsAcc]:
-    """One per choice; an echoed prompt comes first in the text, so offsets start after it.
-
-    The echoed prompt's own tokens get no logprobs: the engine does not compute them.
-    """
+    """One per choice. An echoed prompt comes first in the text: with logprobs its
+    tokens come first in them too (``LogprobsAcc.add_prompt``), so offsets start at 0."""
     echo = gen.echo_texts
     return [
         LogprobsAcc(gen.endpoint, chars=len(echo[c.prompt_index]) if echo else 0)
+        if not gen.prompt_logprobs
+        else LogprobsAcc(gen.endpoint)
         for c in gen.choices
     ]
 

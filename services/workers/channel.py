@@ -174,5 +174,6 @@ class Coalesced:
                 logprobs=(event.logprobs or ()) + (follower.logprobs or ())
                 if event.logprobs or follower.logprobs
                 else None,
+                prompt_logprobs=event.prompt_logprobs or follower.prompt_logprobs,
             )
         return event

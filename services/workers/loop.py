@@ -388,6 +388,7 @@ def _to_delta(out: RequestOutput, handle: BlockHandle | None, worker_id: str) ->
         text="",
         finish_reason=out.finish_reason,
         logprobs=out.logprobs,
+        prompt_logprobs=out.prompt_logprobs,
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens,

@@ -96,6 +96,7 @@ class TokenDelta:
     text: str  # "" from a worker; the gateway's detokenizer fills it
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # with a request's first token
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, tokens generated elsewhere included
     num_cached_tokens: int = 0

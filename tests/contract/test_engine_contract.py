@@ -152,6 +152,42 @@ def test_bad_input_raises_and_others_continue(build: Build) -> None:
     assert set(outs) == {"ok"} and len(tokens(outs["ok"])) == 3
 
 
+def test_prompt_logprobs_go_once_with_the_first_output(build: Build) -> None:
+    """Prompt tokens 1..P-1, each with its top 2 alternatives, on the first output of
+    a request that computes its prompt here, whole or prefill-only (the same values);
+    none from a continuation, whose first token came from elsewhere."""
+    engine = build()
+    p = prompt_of(engine, "the cat sat on the mat and the dog")
+    sampling = replace(greedy(3), prompt_logprobs=2)
+    engine.add_request(EngineRequest("whole", p, sampling))
+    engine.add_request(EngineRequest("cont", p, sampling, output_token_ids=(p[1],)))
+    outs = run(engine)
+    first = outs["whole"][0].prompt_logprobs
+    assert first is not None and [lp.token_id for lp in first] == list(p[1:])
+    for lp in first:  # the most likely first; the prompt token's own value where listed
+        values = [v for _, v in lp.top]
+        assert len(values) >= 2 and values == sorted(values, reverse=True)
+        assert lp.logprob <= values[0] + 1e-6 <= 1e-6
+        assert dict(lp.top).get(lp.token_id, lp.logprob) == pytest.approx(lp.logprob, abs=1e-6)
+    assert all(o.prompt_logprobs is None for o in outs["whole"][1:] + outs["cont"])
+    assert len(tokens(outs["cont"])) == 2
+
+    started = max((s.end_s for s in engine.stats().recent_steps), default=0.0)
+    engine.add_request(EngineRequest("pf", p, sampling, prefill_only=True))
+    (prefilled,) = run(engine)["pf"]
+    assert prefilled.prompt_logprobs is not None
+    assert [lp.token_id for lp in prefilled.prompt_logprobs] == list(p[1:])
+    got = [lp.logprob for lp in prefilled.prompt_logprobs]
+    assert got == pytest.approx([lp.logprob for lp in first], abs=1e-4)
+    assert any(s.end_s > started for s in engine.stats().recent_steps)
+    engine.release_held("pf")
+    held_s = time.monotonic()
+    while engine.stats().num_held_blocks:  # vLLM frees its hold at the lease's end
+        assert time.monotonic() - held_s < LEASE_S + 3, "the lease never freed the hold"
+        engine.step()
+        time.sleep(0.05)
+
+
 @pytest.mark.ray
 @pytest.mark.vllm
 def test_vllm_text_model_refuses_images_and_keeps_serving(vllm_engines: list) -> None:

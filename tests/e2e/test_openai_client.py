@@ -99,6 +99,45 @@ def test_completions_stream_and_not(client: OpenAI) -> None:
     )
 
 
+def test_echo_with_logprobs_scores_the_prompt(client: OpenAI) -> None:
+    """``echo`` with ``logprobs`` (how evaluation harnesses score a text): the prompt's
+    tokens come first, the first with null logprobs, the others with the values the
+    engine computes for them, through a prefill worker and a decode worker; streamed,
+    the same tokens and values."""
+    from services.backends.embedded import make_embedded_engine
+    from services.engine.messages import EngineRequest, SamplingParams
+
+    kwargs = dict(model=MODEL, prompt="the relay race", max_tokens=4, temperature=0, echo=True)
+    whole = client.completions.create(**kwargs, logprobs=2)  # type: ignore[call-overload]
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    num_prompt = whole.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 4 and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    # Two alternatives each, keyed by text (byte tokens that show alike share a key).
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert value <= 0 and 1 <= len(top) <= 2 and top.get(token, value) == value
+
+    config = tiny_config()
+    engine = make_embedded_engine(config.model, config.engine)
+    prompt = tuple(engine.encode("the relay race"))
+    assert len(prompt) == num_prompt
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    engine.add_request(EngineRequest("direct", prompt, sampling))
+    (out,) = engine.step()
+    assert out.prompt_logprobs is not None
+    expected = [x.logprob for x in out.prompt_logprobs]
+    assert lp.token_logprobs[1:num_prompt] == pytest.approx(expected, abs=1e-5)
+
+    chunks = list(client.completions.create(**kwargs, logprobs=2, stream=True))  # type: ignore[call-overload]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert chunks[0].choices[0].text == "the relay race"  # the echo, with its logprobs
+
+
 def test_n_and_seeds(client: OpenAI) -> None:
     def sample(seed: int) -> list[str]:
         out = client.completions.create(

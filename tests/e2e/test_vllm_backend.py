@@ -171,6 +171,32 @@ def test_prefill_decode_over_nixl_equals_vllm_generate(
     assert disaggregated.svc.metrics.transfer_bytes.labels("nixl")._value.get() > 0
 
 
+def test_echo_with_logprobs_over_nixl_equals_transformers(
+    disaggregated: ServedGateway, checkpoint: Path
+) -> None:
+    """A prompt scored through vLLM's prefill worker (``prompt_logprobs``), its first
+    token's decode on the other worker: the echoed tokens' logprobs are transformers'
+    log-softmax at the position before each."""
+    import torch
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPTS[5][:24]
+    client = OpenAI(base_url=disaggregated.base_url + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(
+        model="m", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+    assert len(lp.tokens) == len(prompt) + 3 and lp.token_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])
+    assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(expected[:, 0].tolist(), abs=1e-3)
+    assert all(v is not None for v in lp.token_logprobs[len(prompt) :])  # the outputs'
+
+
 def _held_on_decode_while_decoding(server: ServedGateway, prompt: list[int]) -> int:
     """The most tokens decode-0's snapshots show held by a running request while
     ``prompt`` decodes 300 tokens there, asked after each of its deltas from decode-0

@@ -96,6 +96,7 @@ class _Tracked:
     # continuation, whose KV is pulled). vLLM encodes an image in the step whose chunk
     # reaches its first placeholder.
     encodes: tuple[tuple[int, int], ...] = ()
+    sent_prompt_logprobs: bool = False  # sent with the first output (vLLM sends them once)
 
 
 class VllmEngine:
@@ -277,17 +278,23 @@ class VllmEngine:
                 / self._layout.block_size
             )
             self._held[request.request_id] = (tracked.internal_id, num_blocks)
+        prompt_logprobs = None
+        if out.prompt_logprobs and not tracked.sent_prompt_logprobs:
+            tracked.sent_prompt_logprobs = True  # asked for only where nothing came before
+            prompt_ids = request.prompt_token_ids[1:]
+            prompt_logprobs = token_logprobs(out.prompt_logprobs[1:], prompt_ids)
         if out.finished:
             del self._tracked[request.request_id]
             if finish is not FinishReason.PREFILLED:
                 self._recent_output_lens.append(tracked.num_prior_outputs + tracked.num_generated)
-        if not token_ids and finish is None:
+        if not token_ids and finish is None and prompt_logprobs is None:
             return None
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
             finish_reason=finish,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=tracked.num_prior_outputs + tracked.num_generated,
             num_cached_tokens=int(out.num_cached_tokens or 0),

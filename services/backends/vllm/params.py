@@ -48,6 +48,8 @@ def sampling_params(
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
+        # A continuation's prompt logprobs went out with its first token, elsewhere.
+        prompt_logprobs=None if num_known else s.prompt_logprobs,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
         structured_outputs=structured_params(s.structured, num_known),

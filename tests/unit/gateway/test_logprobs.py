@@ -45,15 +45,26 @@ async def test_text_offset_is_the_same_streamed_and_counts_the_echo(gateway: Any
         if stream_it:
             chunks = [e["choices"][0] for e in _events(echoed.text)]
             text = "".join(c["text"] for c in chunks)
-            offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
-            tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            fields = [c["logprobs"] for c in chunks if c["logprobs"]]
+            assert chunks[0]["text"] == "abc" and fields[0]["tokens"] == ["a", "b", "c"]
+            offsets = [o for f in fields for o in f["text_offset"]]
+            tokens = [t for f in fields for t in f["tokens"]]
+            values = [v for f in fields for v in f["token_logprobs"]]
+            tops = [t for f in fields for t in f["top_logprobs"]]
         else:
-            choice = echoed.json()["choices"][0]
-            text, offsets = choice["text"], choice["logprobs"]["text_offset"]
-            tokens = choice["logprobs"]["tokens"]
-        # The prompt's own tokens carry no logprobs; the generated ones sit after it.
-        assert text.startswith("abc") and offsets == [3, 4, 5, 6, 7, 8]
+            lp = echoed.json()["choices"][0]["logprobs"]
+            text, offsets, tokens = (
+                echoed.json()["choices"][0]["text"],
+                lp["text_offset"],
+                lp["tokens"],
+            )
+            values, tops = lp["token_logprobs"], lp["top_logprobs"]
+        # The prompt's tokens come first: the first with none, the others as the engine
+        # scored them (the fake: token i at -i/100); then the generated ones.
+        assert text.startswith("abc") and offsets == list(range(9))
         assert [text[o : o + len(t)] for o, t in zip(offsets, tokens)] == tokens
+        assert values[:3] == [None, -0.01, -0.02] and values[3:] == [-0.5] * 6
+        assert tops[0] is None and tops[1] == {"b": -0.01} and tops[3] is not None
 
 
 def _byte_level_tokenizer(folder: Path) -> HFTokenizer:
