@@ -94,6 +94,17 @@ def tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
+def release_and_wait(engine: Engine, request_id: str) -> None:
+    """Release a prefill-only request's hold and step until it is gone: vLLM frees its
+    hold at the lease's end, and the next test on the shared engine counts holds."""
+    engine.release_held(request_id)
+    held_s = time.monotonic()
+    while engine.stats().num_held_blocks:
+        assert time.monotonic() - held_s < LEASE_S + 3, "the lease never freed the hold"
+        engine.step()
+        time.sleep(0.05)
+
+
 def prompt_of(engine: Engine, text: str = "The quick brown fox") -> tuple[int, ...]:
     return tuple(engine.encode(text))
 
@@ -172,20 +183,13 @@ def test_prompt_logprobs_go_once_with_the_first_output(build: Build) -> None:
     assert all(o.prompt_logprobs is None for o in outs["whole"][1:] + outs["cont"])
     assert len(tokens(outs["cont"])) == 2
 
-    started = max((s.end_s for s in engine.stats().recent_steps), default=0.0)
     engine.add_request(EngineRequest("pf", p, sampling, prefill_only=True))
     (prefilled,) = run(engine)["pf"]
     assert prefilled.prompt_logprobs is not None
     assert [lp.token_id for lp in prefilled.prompt_logprobs] == list(p[1:])
     got = [lp.logprob for lp in prefilled.prompt_logprobs]
     assert got == pytest.approx([lp.logprob for lp in first], abs=1e-4)
-    assert any(s.end_s > started for s in engine.stats().recent_steps)
-    engine.release_held("pf")
-    held_s = time.monotonic()
-    while engine.stats().num_held_blocks:  # vLLM frees its hold at the lease's end
-        assert time.monotonic() - held_s < LEASE_S + 3, "the lease never freed the hold"
-        engine.step()
-        time.sleep(0.05)
+    release_and_wait(engine, "pf")
 
 
 @pytest.mark.ray
@@ -255,12 +259,7 @@ def test_a_prefill_only_request_s_step_is_recorded_with_its_prompt(build: Build)
     run(engine)
     steps = [s for s in engine.stats().recent_steps if s.end_s > started]
     assert sum(s.num_prefill_tokens for s in steps) == len(p), steps
-    engine.release_held("pf")
-    held_s = time.monotonic()
-    while engine.stats().num_held_blocks:  # vLLM frees its hold at the lease's end
-        assert time.monotonic() - held_s < LEASE_S + 3, "the lease never freed the hold"
-        engine.step()
-        time.sleep(0.05)
+    release_and_wait(engine, "pf")
 
 
 def test_prefill_only_holds_blocks_until_released(build: Build) -> None:
