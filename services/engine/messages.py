@@ -144,6 +144,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens"
             )
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            # vLLM's sampler takes a 64-bit seed: a larger one failed its whole step.
+            raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed}", "seed")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(
                 f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs"

@@ -154,6 +154,8 @@ def test_bad_input_raises_and_others_continue(build: Build) -> None:
         EngineRequest("b3", (5, 6), SamplingParams(max_tokens=0)),
         # Past the vocabulary (2^63 overflowed the sampler's int64 and killed the loop).
         EngineRequest("b4", (5, 6), SamplingParams(max_tokens=3, top_k=2**63)),
+        # Past 64 bits: vLLM's sampler failed the whole step, every request in it.
+        EngineRequest("b6", (5, 6), SamplingParams(max_tokens=3, seed=2**64)),
         # A token id past the vocabulary: an embedding lookup out of range.
         EngineRequest("b5", (5, 10**6), greedy(3)),
     ):

@@ -31,6 +31,10 @@ PROBES = [
     ({"stop_token_ids": [-1]}, "stop_token_ids", "token ids"),
     ({"logit_bias": {"5": 1e30}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"5": -100.5}}, "logit_bias", "[-100, 100]"),
+    # vLLM's sampler failed its whole step (every request in it) on a seed past 64 bits.
+    ({"seed": 2**64}, "seed", "9223372036854775807"),
+    ({"seed": -(2**63) - 1}, "seed", "-9223372036854775808"),
+    ({"seed": 2**63 - 1, "n": 2}, "seed", "64-bit"),  # the second choice's, seed + 1
 ]
 
 
@@ -74,6 +78,9 @@ async def test_values_at_the_bounds_are_served(gateway: Any) -> None:
     assert r.status_code == 200, r.text
     off = await client.post("/v1/completions", json={**BODY, "top_k": -1})
     assert off.status_code == 200, off.text
+    for seed in (2**63 - 1, -(2**63)):
+        seeded = await client.post("/v1/completions", json={**BODY, "seed": seed})
+        assert seeded.status_code == 200, seeded.text
 
 
 async def test_the_stop_bounds_are_config(gateway: Any) -> None:
