@@ -299,3 +299,49 @@ def test_structured_outputs_and_logit_bias_reach_vllm(colocated: str) -> None:
         model="m", prompt=PROMPTS[0], max_tokens=4, temperature=0.0, logit_bias={"40": 100}
     )
     assert forced.choices[0].text.split() == ["w27"] * 4  # id 40 is the word "w27"
+
+
+def test_vllm_writes_compact_json_and_names_a_bad_constraint(
+    tmp_path: Path, ray_cluster: str
+) -> None:
+    """A random model that may write free whitespace wanders into it (tabs and carriage
+    returns until max_tokens, found by a QA pass): JSON from vLLM is compact, as from the
+    embedded engine. A constraint vLLM cannot compile is refused naming its field."""
+    from transformers import AutoTokenizer
+
+    from services.config import EngineConfig, ModelConfig
+    from services.engine.messages import (
+        EngineRequest,
+        InvalidRequestError,
+        SamplingParams,
+        StructuredOutput,
+    )
+    from tests.support.vllm import RemoteEngine
+
+    folder = build_vllm_checkpoint(tmp_path / "bytes", byte_level=True)
+    model = ModelConfig(name=str(folder), dtype="float32", seed=0)
+    cfg = EngineConfig(
+        device="cpu", kv_cache_bytes=4 * 2**20, max_model_len=256, vllm={"enforce_eager": True}
+    )
+    engine = RemoteEngine("vllm", model, cfg)
+    try:
+        json_object = StructuredOutput("json_object", param="response_format")
+        for i in range(4):
+            sampling = SamplingParams(max_tokens=40, temperature=0.0, structured=json_object)
+            engine.add_request(EngineRequest(f"j{i}", tuple(range(40 + i, 60 + 3 * i)), sampling))
+        outs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        texts = [AutoTokenizer.from_pretrained(str(folder)).decode(t) for t in outs.values()]
+        assert len(texts) == 4 and all(t.startswith("{") for t in texts), texts
+        # Raw tabs and line breaks are only ever whitespace between tokens in JSON.
+        assert not any(c in t for t in texts for c in "\t\r\n"), texts
+
+        bad = StructuredOutput("regex", "(unclosed", param="structured_outputs")
+        sampling = SamplingParams(max_tokens=4, temperature=0.0, structured=bad)
+        with pytest.raises(InvalidRequestError) as err:
+            engine.add_request(EngineRequest("bad", (40, 41), sampling))
+        assert err.value.param == "structured_outputs", err.value
+    finally:
+        engine.close()

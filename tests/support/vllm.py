@@ -63,19 +63,27 @@ def vllm_serve_args(checkpoint: Path, folder: Path, lease_s: float, *layout: str
     ]  # fmt: skip
 
 
-def build_vllm_checkpoint(folder: Path, seed: int = 0) -> Path:
+def build_vllm_checkpoint(folder: Path, seed: int = 0, *, byte_level: bool = False) -> Path:
     """A random-weight Llama that vLLM's CPU attention runs (head_dim 64), with a
-    word-level tokenizer and chat template, saved by ``transformers``."""
+    word-level tokenizer and chat template, saved by ``transformers``; ``byte_level``:
+    a byte-level tokenizer instead, which can write JSON (no chat template)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.engine.conftest import _scramble, save_word_tokenizer
+    from tests.unit.engine.conftest import (
+        _scramble,
+        save_byte_level_tokenizer,
+        save_word_tokenizer,
+    )
 
     torch.manual_seed(seed)
-    config = vllm_llama_config(96)
+    config = vllm_llama_config(257 if byte_level else 96)
     model = AutoModelForCausalLM.from_config(config)
     _scramble(model, seed)
     model.float().save_pretrained(str(folder))
-    save_word_tokenizer(folder, config.vocab_size)
+    if byte_level:
+        save_byte_level_tokenizer(folder)
+    else:
+        save_word_tokenizer(folder, config.vocab_size)
     return folder
 
 

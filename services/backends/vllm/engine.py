@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import traceback
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from services.engine.messages import (
     InvalidRequestError,
     RequestOutput,
     RunningRequestStats,
+    SamplingParams,
     StepStats,
 )
 
@@ -65,6 +67,19 @@ def _client_errors() -> tuple[type[Exception], ...]:
     from vllm.exceptions import VLLMClientError
 
     return (ValueError, VLLMClientError)
+
+
+def _refused_field(error: BaseException, sampling: SamplingParams) -> str | None:
+    """The request field a vLLM refusal is about, where it can be told: the output
+    constraint's (``response_format`` or ``structured_outputs``) when the refusal came
+    from vLLM's structured-output code (a grammar, regex or schema it cannot compile)."""
+    structured = sampling.structured
+    if structured is None:
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if any("structured_output" in f.name or "structured_output" in f.filename for f in frames):
+        return structured.param
+    return None
 
 
 log = logging.getLogger(__name__)
@@ -207,7 +222,7 @@ class VllmEngine:
         try:
             internal_id = self._llm.add_request(request.request_id, prompt, params)
         except _client_errors() as e:  # vLLM's own validation (evaluated only on an error)
-            raise InvalidRequestError(str(e)) from e
+            raise InvalidRequestError(str(e), _refused_field(e, request.sampling)) from e
         files = remote_kv is None and any(i.embeddings is None for i in request.images)
         encodes = tuple((i.offset, i.num_tokens) for i in request.images) if files else ()
         tracked = _Tracked(request, str(internal_id), len(known), drop_first, encodes=encodes)

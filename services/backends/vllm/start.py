@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -51,7 +52,18 @@ def vllm_engine_args(
         args["kv_cache_memory_bytes"] = engine_cfg.kv_cache_bytes
     if takes_embeddings:  # LLaVA: take encode workers' embeddings as they are
         args["enable_mm_embeds"] = True
+    # Compact JSON, as the embedded engine writes it by default (a weak model allowed
+    # free whitespace wandered into it until max_tokens). vLLM reads this per engine,
+    # not per request, and only with xgrammar or guidance named: xgrammar, the grammar
+    # engine the embedded engine uses, so both accept the same schemas.
+    args["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     args.update(options)
+    if isinstance(args["structured_outputs_config"], Mapping):
+        from vllm.config import StructuredOutputsConfig
+
+        args["structured_outputs_config"] = StructuredOutputsConfig(
+            **args["structured_outputs_config"]
+        )
     return args
 
 

@@ -55,3 +55,13 @@ def test_engine_vllm_options_override_the_shared_settings(checkpoint: Path) -> N
         checkpoint, long_prefill_token_threshold=16, vllm={"long_prefill_token_threshold": 24}
     )
     assert config.scheduler_config.long_prefill_token_threshold == 24
+
+
+def test_json_is_compact_unless_engine_vllm_says(checkpoint: Path) -> None:
+    """vLLM reads free whitespace per engine (a request's own setting is ignored): off,
+    as the embedded engine's default; ``engine.vllm`` may turn it on."""
+    config = _vllm_config(checkpoint).structured_outputs_config
+    assert config.disable_any_whitespace and config.backend == "xgrammar"
+    loose = {"structured_outputs_config": {"backend": "guidance"}}
+    config = _vllm_config(checkpoint, vllm=loose).structured_outputs_config
+    assert not config.disable_any_whitespace and config.backend == "guidance"

@@ -27,6 +27,22 @@ word_tokenizer = _BUILDERS.word_tokenizer
 save_random_llava = _BUILDERS.save_random_llava
 
 
+def save_byte_level_tokenizer(folder: Path) -> None:
+    """GPT-2 style byte-level BPE: the 256 byte characters (ids 0-255) and one word,
+    ``Ġhi`` (256): it can write any text, JSON included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from services.gateway.token_bytes import _byte_level_decoder
+
+    to_char = {b: c for c, b in _byte_level_decoder().items()}
+    vocab = {to_char[b]: b for b in range(256)} | {"Ġhi": 256}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(folder))
+
+
 def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
     """A WordLevel tokenizer over `vocab_size` ids: specials, a few words, then filler words."""
     words = ["<unk>", "<s>", "</s>", *WORDS]

@@ -11,7 +11,8 @@ import pytest
 from services.engine.messages import TokenLogprob
 from services.engine.tokenizer import ByteTokenizer, HFTokenizer
 from services.gateway.openai_format import LogprobsAcc
-from services.gateway.token_bytes import _byte_level_decoder, token_bytes
+from services.gateway.token_bytes import token_bytes
+from tests.unit.engine.conftest import save_byte_level_tokenizer
 from tests.unit.gateway.conftest import MODEL
 
 _REPLACEMENT = "\ufffd"
@@ -68,16 +69,7 @@ async def test_text_offset_is_the_same_streamed_and_counts_the_echo(gateway: Any
 
 
 def _byte_level_tokenizer(folder: Path) -> HFTokenizer:
-    """GPT-2 style byte-level BPE: the 256 byte characters and one word."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    to_char = {b: c for c, b in _byte_level_decoder().items()}
-    vocab = {to_char[b]: b for b in range(256)} | {"Ġhi": 256}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(folder))
+    save_byte_level_tokenizer(folder)
     return HFTokenizer(folder)
 
 
