@@ -72,6 +72,7 @@ class FinishReason(enum.StrEnum):
 MAX_GRAMMAR_SPEC_BYTES = 64 * 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0
+MAX_REPETITION_PENALTY = 100.0
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
 
@@ -106,6 +107,9 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: a token in the prompt or the output so far has its logit divided by it
+    # (multiplied where negative); 1 is off.
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -140,6 +144,12 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be in [-2, 2], got {getattr(self, name)}", name
                 )
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                f"{self.repetition_penalty}",
+                "repetition_penalty",
+            )
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens"

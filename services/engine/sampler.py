@@ -50,8 +50,11 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]],
         eos_token_ids: Sequence[tuple[int, ...]] | tuple[int, ...],
         global_generator: torch.Generator,
+        prompt_token_ids: Sequence[Sequence[int]] = (),
     ) -> SampleResult:
-        """``logits`` [N, vocab] float32; ``eos_token_ids`` per row or one tuple for all rows."""
+        """``logits`` [N, vocab] float32; ``eos_token_ids`` per row or one tuple for all
+        rows; ``prompt_token_ids`` per row, for ``repetition_penalty`` (none given: the
+        output alone is penalised)."""
         if _all_plain_greedy(params, output_token_ids):
             # The common serving case: one argmax, no copy of the logits, no per-row work.
             return SampleResult(_argmax_rows(logits), [None] * len(params))
@@ -64,6 +67,7 @@ class Sampler:
         eos = _per_row_eos(eos_token_ids, len(params))
         logits = logits.clone()
         _mask_until_min_tokens(logits, params, output_token_ids, eos)
+        _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
         _apply_penalties(logits, params, output_token_ids)
         _apply_logit_bias(logits, params)
         token_ids = _choose(logits, params, output_token_ids, global_generator)
@@ -93,6 +97,7 @@ def _all_plain_greedy(
         and p.logprobs is None
         and p.presence_penalty == 0
         and p.frequency_penalty == 0
+        and p.repetition_penalty == 1
         and len(out) >= p.min_tokens
         and not p.logit_bias
         for p, out in zip(params, output_token_ids)
@@ -121,6 +126,28 @@ def _mask_until_min_tokens(
         banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos[i])]
         if banned:
             logits[i, torch.tensor(banned, device=logits.device)] = float("-inf")
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    prompt_token_ids: Sequence[Sequence[int]],
+) -> None:
+    """vLLM's: each token seen in the prompt or the output so far has a positive logit
+    divided by the penalty and a negative one multiplied by it."""
+    for i, p in enumerate(params):
+        if p.repetition_penalty == 1:
+            continue
+        prompt = prompt_token_ids[i] if i < len(prompt_token_ids) else ()
+        seen = torch.tensor([*prompt, *output_token_ids[i]], dtype=torch.int64)
+        if not len(seen):
+            continue
+        ids = seen.unique().to(logits.device)
+        row = logits[i, ids]
+        logits[i, ids] = torch.where(
+            row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+        )
 
 
 def _apply_penalties(

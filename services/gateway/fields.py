@@ -38,11 +38,19 @@ _UNIMPLEMENTED = (
     "guided_choice",
     "guided_grammar",
     "guided_decoding_backend",
+    # vLLM's sampling extensions not implemented here (repetition_penalty is).
+    "allowed_token_ids",
+    "bad_words",
+    "length_penalty",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
 )
+# Said with the refusal: how to get the same otherwise.
+_INSTEAD = {"prompt_logprobs": "; a completion's echo with logprobs scores the prompt's tokens"}
 
 
 def _asks_for_nothing(name: str, value: Any) -> bool:
-    if name == "best_of":
+    if name in ("best_of", "length_penalty"):
         return value in (None, 1)
     return value in (None, False, [], {})
 
@@ -51,7 +59,9 @@ def check_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
     extra = body.model_extra or {}
     for name in _UNIMPLEMENTED:
         if name in extra and not _asks_for_nothing(name, extra[name]):
-            raise BadRequest(f"{name} is not supported by this server", name)
+            raise BadRequest(
+                f"{name} is not supported by this server{_INSTEAD.get(name, '')}", name
+            )
     if isinstance(body, CompletionRequest) and extra.get("tools"):
         raise BadRequest("tools need the chat completions endpoint", "tools")
     if isinstance(body, CompletionRequest) and body.suffix:  # inserting text: not done here

@@ -72,6 +72,7 @@ def _sampling(
         min_p=body.min_p or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         seed=None if body.seed is None else body.seed + seed_offset,
         stop=tuple(s for s in stop if s),
         stop_token_ids=tuple(body.stop_token_ids or ()),

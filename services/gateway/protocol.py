@@ -187,6 +187,7 @@ class _Sampling(_Body):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # a 64-bit integer, as vLLM
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)  # vLLM's; 1 is off
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False

@@ -51,14 +51,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_vllm_checkpoint(tmp_path_factory.mktemp("vllm-llama"))
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path, ray_cluster: str) -> list[tuple[str, list[int]]]:
-    """vLLM's own offline engine on the same prompts (in a process of its own)."""
+def _vllm_generate(
+    checkpoint: Path, prompts: list[list[int]], budgets: list[int], **sampling: float
+) -> list[tuple[str, list[int]]]:
+    """vLLM's own offline engine, greedy (in a process of its own)."""
     import ray
 
     @ray.remote(num_cpus=0, max_calls=1)
     def generate(
-        folder: str, prompts: list[list[int]], budgets: list[int]
+        folder: str, prompts: list[list[int]], budgets: list[int], sampling: dict[str, float]
     ) -> list[tuple[str, list[int]]]:
         import os
 
@@ -73,14 +74,23 @@ def reference(checkpoint: Path, ray_cluster: str) -> list[tuple[str, list[int]]]
             max_model_len=512,
             kv_cache_memory_bytes=8 * 2**20,
         )
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets]
+        params = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **sampling)
+            for n in budgets
+        ]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
 
     ref: list[tuple[str, list[int]]] = ray.get(
-        generate.remote(str(checkpoint), PROMPTS, MAX_TOKENS), timeout=300
+        generate.remote(str(checkpoint), prompts, budgets, sampling), timeout=300
     )
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path, ray_cluster: str) -> list[tuple[str, list[int]]]:
+    """vLLM's own offline engine on the same prompts."""
+    return _vllm_generate(checkpoint, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +288,30 @@ def test_prefill_worker_killed_after_the_first_token_still_gives_the_same_text(
     tokens, workers = disaggregated.call(run(), timeout_s=120)
     assert tokens == reference[index][1]
     assert any(w.startswith("decode") for w in workers)
+
+
+def test_repetition_penalty_equals_vllm_generate(
+    colocated: str, checkpoint: Path, expected: list[str]
+) -> None:
+    """vLLM's ``repetition_penalty`` reaches vLLM (it was ignored, with a warning)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=colocated + "/v1", api_key="x", max_retries=0, timeout=60)
+    got = [
+        client.completions.create(
+            model="m",
+            prompt=PROMPTS[i],
+            max_tokens=MAX_TOKENS[i],
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "repetition_penalty": 1.8},
+        )
+        .choices[0]
+        .text
+        for i in range(4)
+    ]
+    reference = _vllm_generate(checkpoint, PROMPTS[:4], MAX_TOKENS[:4], repetition_penalty=1.8)
+    assert got == [text for text, _ in reference]
+    assert got != expected[:4]  # it changed the text
 
 
 def test_structured_outputs_and_logit_bias_reach_vllm(colocated: str) -> None:

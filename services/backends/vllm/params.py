@@ -44,6 +44,7 @@ def sampling_params(
         min_p=s.min_p,
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
         seed=s.seed,
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,

@@ -108,3 +108,36 @@ def test_preemption_under_a_small_pool_equals_hf(kind: str, oracle: Any) -> None
     got = serve(engine, requests(make_prompts(cfg.vocab_size)))
     assert [got[f"r{i}"] for i in range(len(PROMPT_LENS))] == expected
     assert engine.stats().num_preemptions > 0
+
+
+def test_repetition_penalty_equals_hf(hf_checkpoint: Callable[[str], Any]) -> None:
+    """vLLM's repetition_penalty is transformers' (a seen token's logit divided by it,
+    multiplied where negative; the prompt's tokens seen too): greedy generations with it
+    equal ``generate(repetition_penalty=...)``, in one chunked batch."""
+    ckpt = hf_checkpoint("llama")
+    model = ckpt.model
+    model.generation_config.eos_token_id = None
+    prompts = make_prompts(model.config.vocab_size)[:4]
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.int64),
+                max_new_tokens=24,
+                do_sample=False,
+                repetition_penalty=1.8,
+                pad_token_id=0,
+            )
+        expected.append([int(t) for t in out[0, len(p) :]])
+    engine = make_engine(ckpt.folder, block_size=BLOCK_SIZE, max_num_batched_tokens=16)
+    got = serve(
+        engine,
+        [
+            EngineRequest(f"r{i}", tuple(p), greedy(24, repetition_penalty=1.8))
+            for i, p in enumerate(prompts)
+        ],
+    )
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    plain = serve(make_engine(ckpt.folder, block_size=BLOCK_SIZE), requests(prompts))
+    assert [plain[f"r{i}"][:24] for i in range(len(prompts))] != expected  # it bites

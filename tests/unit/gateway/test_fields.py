@@ -29,6 +29,15 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ({"web_search_options": {"search_context_size": "low"}}, "web_search_options"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"best_of": 3}, "best_of"),
+        # vLLM's extensions that change the output: answered as if absent before.
+        ({"allowed_token_ids": [3, 4]}, "allowed_token_ids"),
+        ({"bad_words": ["w73"]}, "bad_words"),
+        ({"length_penalty": 2.0}, "length_penalty"),
+        ({"length_penalty": 1.0}, None),
+        ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 1.3}, None),  # implemented
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {
