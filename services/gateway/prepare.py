@@ -50,6 +50,9 @@ class Generation:
     logprobs: bool
     echo_texts: tuple[str, ...] = ()
     prompt_logprobs: bool = False  # echo with logprobs: the echoed tokens' logprobs too
+    # echo with max_tokens 0 (vLLM's): the prompt alone, scored; the engines generate one
+    # token (they need one), which is dropped, and none is counted.
+    echo_only: bool = False
     shape: ShapeSpec = field(default_factory=ShapeSpec)  # chat: reasoning, tool calls
     slo: SLO = field(default_factory=SLO)  # as asked; the service fills in the defaults
     priority: Priority = Priority.INTERACTIVE
@@ -209,7 +212,16 @@ def prepare_completion(
 ) -> Generation:
     if not prompts:
         raise BadRequest("the prompt is empty", "prompt")
-    gen = _generation(svc, "completion", body, prompts, body.max_tokens, body.logprobs, "prompt")
+    echo_only = body.max_tokens == 0
+    if echo_only and not body.echo:
+        raise BadRequest(
+            "max_tokens must be at least 1 (0 only with echo: the prompt, scored with "
+            "logprobs, and nothing generated)",
+            "max_tokens",
+        )
+    max_tokens = 1 if echo_only else body.max_tokens
+    gen = _generation(svc, "completion", body, prompts, max_tokens, body.logprobs, "prompt")
+    gen = replace(gen, echo_only=echo_only)
     if body.echo:
         echo = tuple(svc.tokenizer.decode(p) for p in prompts)
         gen = replace(gen, echo_texts=echo)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -196,10 +197,11 @@ async def _collect(
 
     def take(i: int, d: TokenDelta) -> None:
         timers[i].on_delta(d)
-        texts[i] += d.text
         if gen.prompt_logprobs and not echoed[i]:
             echoed[i] = True
             accs[i].add_prompt(svc.tokenizer, gen.choices[i].prompt_token_ids, d.prompt_logprobs)
+        d = _shown(gen, d)
+        texts[i] += d.text
         if d.logprobs:
             accs[i].add(svc.tokenizer, d.logprobs)
         if d.finish_reason is not None:
@@ -221,7 +223,7 @@ async def _collect(
         if gen.echo_texts:
             texts[i] = gen.echo_texts[c.prompt_index] + texts[i]
     _count(svc, "success", n)
-    num_completion = sum(t.num_output_tokens for t in timers)
+    num_completion = _completion_tokens(gen, timers)
     messages: list[dict[str, Any] | None] = [None] * n
     if gen.endpoint == "chat" and not gen.shape.is_plain:
         for i in range(n):
@@ -268,6 +270,7 @@ async def _stream_body(
                 accs[i].add_prompt(svc.tokenizer, c.prompt_token_ids, d.prompt_logprobs)
                 yield sse(fmt.chunk(i, gen.echo_texts[c.prompt_index], None, accs[i].take()))
             timers[i].on_delta(d)
+            d = _shown(gen, d)
             logprobs = None
             if gen.logprobs and d.logprobs:
                 accs[i].add(svc.tokenizer, d.logprobs)
@@ -323,7 +326,19 @@ def _logprobs_accs(gen: Generation) -> list[LogprobsAcc]:
 
 
 def _running_usage(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> dict[str, int]:
-    return usage(gen.num_prompt_tokens, sum(t.num_output_tokens for t in timers))
+    return usage(gen.num_prompt_tokens, _completion_tokens(gen, timers))
+
+
+def _completion_tokens(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> int:
+    return 0 if gen.echo_only else sum(t.num_output_tokens for t in timers)
+
+
+def _shown(gen: Generation, d: TokenDelta) -> TokenDelta:
+    """The delta as the client sees it: with ``echo_only``, no generated token (its
+    finish reason stays: ``length``)."""
+    if not gen.echo_only:
+        return d
+    return replace(d, text="", token_ids=(), logprobs=None)
 
 
 async def _chain(

@@ -137,6 +137,10 @@ def test_echo_with_logprobs_scores_the_prompt(client: OpenAI) -> None:
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
     assert chunks[0].choices[0].text == "the relay race"  # the echo, with its logprobs
 
+    alone = client.completions.create(**{**kwargs, "max_tokens": 0}, logprobs=2)  # type: ignore[call-overload]
+    assert alone.choices[0].text == "the relay race" and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:num_prompt]
+
 
 def test_n_and_seeds(client: OpenAI) -> None:
     def sample(seed: int) -> list[str]:

@@ -68,6 +68,28 @@ async def test_text_offset_is_the_same_streamed_and_counts_the_echo(gateway: Any
         assert tops[0] is None and tops[1] == {"b": -0.01} and tops[3] is not None
 
 
+@pytest.mark.asyncio
+async def test_echo_with_max_tokens_0_scores_the_prompt_alone(gateway: Any) -> None:
+    """vLLM's scoring mode: the prompt echoed with its logprobs, nothing generated."""
+    _, client = await gateway()
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1}
+    whole = (await client.post("/v1/completions", json=body)).json()
+    choice = whole["choices"][0]
+    assert choice["text"] == "abc" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["a", "b", "c"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.01, -0.02]
+    assert whole["usage"]["completion_tokens"] == 0 and whole["usage"]["prompt_tokens"] == 3
+
+    stream = await client.post("/v1/completions", json={**body, "stream": True})
+    chunks = [e["choices"][0] for e in _events(stream.text) if e["choices"]]
+    assert "".join(c["text"] for c in chunks) == "abc"
+    tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert tokens == ["a", "b", "c"] and chunks[-1]["finish_reason"] == "length"
+
+    refused = await client.post("/v1/completions", json={**body, "echo": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def _byte_level_tokenizer(folder: Path) -> HFTokenizer:
     save_byte_level_tokenizer(folder)
     return HFTokenizer(folder)
