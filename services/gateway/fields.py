@@ -66,6 +66,8 @@ def check_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise BadRequest("tools need the chat completions endpoint", "tools")
     if isinstance(body, CompletionRequest) and body.suffix:  # inserting text: not done here
         raise BadRequest("suffix is not supported by this server", "suffix")
+    if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM
+        raise BadRequest("stream_options can only be given with stream: true", "stream_options")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
     modalities = extra.get("modalities")

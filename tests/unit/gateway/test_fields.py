@@ -38,6 +38,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"repetition_penalty": 1.3}, None),  # implemented
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # not streamed
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {
