@@ -18,7 +18,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -208,7 +209,10 @@ async def _serve_on(
             namespace="baton",
         )
     cluster_has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    svc = build_gateway(config) if gateway_only else _build_service(config, cluster_has_gpus)
+    if gateway_only:
+        svc, layout = build_gateway(config), _configured_layout(config)
+    else:
+        svc, layout = _build_service(config, cluster_has_gpus)
     app = create_app(svc)
     server = _server_class()(
         uvicorn_config(
@@ -223,7 +227,7 @@ async def _serve_on(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.request_exit)
-    announce = asyncio.create_task(_announce_when_started(server, config))
+    announce = asyncio.create_task(_announce_when_started(server, config, layout))
     try:
         await server.serve(sockets=[listener])
     finally:
@@ -249,7 +253,8 @@ def _server_class() -> Any:
     return Server
 
 
-def _build_service(config: ClusterConfig, cluster_has_gpus: bool) -> Any:
+def _build_service(config: ClusterConfig, cluster_has_gpus: bool) -> tuple[Any, str]:
+    """The service, and its layout as the start-up line tells it."""
     from services.cluster.factories import factories_for
     from services.cluster.launchers import RayLauncher
     from services.cluster.specs import worker_specs
@@ -261,7 +266,31 @@ def _build_service(config: ClusterConfig, cluster_has_gpus: bool) -> Any:
         config.gateway, config.router, config.model, config.kvtransfer.backend
     )
     launcher = RayLauncher(num_cpus=config.workers.num_cpus, num_gpus=0.0)
-    return GatewayService(settings, load_tokenizer(config.model.name), specs, launcher)
+    svc = GatewayService(settings, load_tokenizer(config.model.name), specs, launcher)
+    return svc, _launched_layout(config, specs)
+
+
+def _launched_layout(config: ClusterConfig, specs: Sequence[Any]) -> str:
+    """``disaggregated: 1 prefill, 1 decode; kv=nixl``: the workers launched (colocated,
+    they are all mixed) and what moves KV between them (none colocated; vLLM's own
+    connector on the vllm backend)."""
+    counts = Counter(spec.role.value for spec in specs)
+    roles = ", ".join(f"{n} {role}" for role, n in counts.items()) or "no workers"
+    kv: str = config.kvtransfer.backend
+    if not any(spec.connector_factory is not None for spec in specs):
+        split = config.workers.mode != "colocated"
+        kv = "vLLM's NixlConnector" if split and config.engine.backend == "vllm" else "none"
+    return f"{config.workers.mode}: {roles}; kv={kv}"
+
+
+def _configured_layout(config: ClusterConfig) -> str:
+    """A gateway over a control plane: the workers as configured there."""
+    w = config.workers
+    encode = f"{w.encode} encode, " if w.encode else ""
+    return (
+        f"{w.mode}: {encode}{w.prefill} prefill, {w.decode} decode, {w.mixed} mixed; "
+        f"kv={config.kvtransfer.backend}"
+    )
 
 
 def build_gateway(config: ClusterConfig) -> Any:
@@ -297,7 +326,7 @@ def _no_launch(spec: Any) -> Any:
     raise AssertionError(f"a gateway over a control plane launches no worker ({spec.worker_id})")
 
 
-async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
+async def _announce_when_started(server: Any, config: ClusterConfig, layout: str) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     freeze_startup_heap()  # the workers are up and the model loaded: serving starts now
@@ -305,12 +334,8 @@ async def _announce_when_started(server: Any, config: ClusterConfig) -> None:
     for s in server.servers:
         for sock in s.sockets:
             host, port = sock.getsockname()[:2]
-    w = config.workers
-    encode = f"{w.encode} encode, " if w.encode else ""
     print(
-        f"Baton is serving {config.model.public_name!r} at http://{host}:{port}/v1 "
-        f"({w.mode}: {encode}{w.prefill} prefill, {w.decode} decode, {w.mixed} mixed; "
-        f"kv={config.kvtransfer.backend})",
+        f"Baton is serving {config.model.public_name!r} at http://{host}:{port}/v1 ({layout})",
         flush=True,
     )
 

@@ -128,11 +128,14 @@ def test_the_built_in_models_need_no_folder() -> None:
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (("--encode", "1"), "(disaggregated: 1 encode, 1 prefill, 1 decode, 0 mixed; kv=nixl)"),
-        ((), "(disaggregated: 1 prefill, 1 decode, 0 mixed; kv=nixl)"),
+        (("--encode", "1"), "(disaggregated: 1 encode, 1 prefill, 1 decode; kv=nixl)"),
+        ((), "(disaggregated: 1 prefill, 1 decode; kv=nixl)"),
+        # The workers launched, not the flags: colocated, every worker is mixed.
+        (("--mode", "colocated", "--decode", "0"), "(colocated: 1 mixed; kv=none)"),
+        (("--backend", "vllm"), "(disaggregated: 1 prefill, 1 decode; kv=vLLM's NixlConnector)"),
     ],
 )
-def test_the_serving_line_counts_every_worker_group(
+def test_the_serving_line_counts_the_workers_launched(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     argv: tuple[str, ...],
@@ -142,11 +145,14 @@ def test_the_serving_line_counts_every_worker_group(
     from types import SimpleNamespace
 
     from services.cluster import serve
+    from services.cluster.factories import factories_for
+    from services.cluster.specs import worker_specs
 
     monkeypatch.setattr(serve, "freeze_startup_heap", lambda: None)  # not this process's heap
     config = build_config(parse("--config", "deploy/configs/local.yaml", *argv), {})
+    layout = serve._launched_layout(config, worker_specs(config, *factories_for(config)))
     started = SimpleNamespace(started=True, servers=[])
-    asyncio.run(serve._announce_when_started(started, config))
+    asyncio.run(serve._announce_when_started(started, config, layout))
     assert capsys.readouterr().out.rstrip().endswith(says)
 
 
