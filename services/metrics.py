@@ -114,6 +114,12 @@ class BatonMetrics:
             ["model"],
             registry=r,
         )
+        self.prompt_cached_tokens = Counter(
+            "baton_prompt_cached_tokens",
+            "Prompt tokens served from a prefix cache, once a choice (as baton_prompt_tokens)",
+            ["model"],
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "baton_generation_tokens", "Tokens generated", ["model"], registry=r
         )

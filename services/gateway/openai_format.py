@@ -28,12 +28,18 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; with ``num_cached_tokens``, its ``prompt_tokens_details``."""
+    out: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
+    if num_cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return out
 
 
 def _finish(reason: str | None) -> str | None:

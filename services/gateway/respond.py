@@ -40,12 +40,15 @@ class _ChoiceMetrics:
         self._first_s: float | None = None
         self._last_s = arrival_s
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # the prompt's, served from a prefix cache
 
     def on_delta(self, delta: TokenDelta) -> None:
         now = time.monotonic()
         if self._first_s is None:
             self._first_s = now
             self._m.ttft_s.labels(self._model).observe(now - self._arrival_s)
+            # From the worker that computed the prompt (later deltas: a decode worker's).
+            self.num_cached_tokens = delta.num_cached_tokens
         else:
             self._m.itl_s.labels(self._model).observe(now - self._last_s)
         self._last_s = now
@@ -58,6 +61,7 @@ class _ChoiceMetrics:
             tpot = (self._last_s - self._first_s) / (self.num_output_tokens - 1)
             m.tpot_s.labels(model).observe(tpot)
         m.prompt_tokens.labels(model).inc(num_prompt_tokens)
+        m.prompt_cached_tokens.labels(model).inc(self.num_cached_tokens)
         m.generation_tokens.labels(model).inc(self.num_output_tokens)
 
 
@@ -223,14 +227,13 @@ async def _collect(
         if gen.echo_texts:
             texts[i] = gen.echo_texts[c.prompt_index] + texts[i]
     _count(svc, "success", n)
-    num_completion = _completion_tokens(gen, timers)
     messages: list[dict[str, Any] | None] = [None] * n
     if gen.endpoint == "chat" and not gen.shape.is_plain:
         for i in range(n):
             messages[i], finish[i] = ChoiceShaper(gen.shape).whole(texts[i], finish[i])
     body = gen.formatter.response(
         [(texts[i], finish[i], accs[i].render() if gen.logprobs else None) for i in range(n)],
-        usage(gen.num_prompt_tokens, num_completion),
+        _running_usage(gen, timers),
         messages,
     )
     return JSONResponse(body)
@@ -325,8 +328,21 @@ def _logprobs_accs(gen: Generation) -> list[LogprobsAcc]:
     ]
 
 
-def _running_usage(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> dict[str, int]:
-    return usage(gen.num_prompt_tokens, _completion_tokens(gen, timers))
+def _running_usage(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> dict[str, Any]:
+    return usage(
+        gen.num_prompt_tokens, _completion_tokens(gen, timers), _cached_tokens(gen, timers)
+    )
+
+
+def _cached_tokens(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> int:
+    """Each prompt once, as ``prompt_tokens`` counts it: the fewest of its tokens any of
+    its choices found cached (choices are separate requests: never over-claimed)."""
+    fewest: dict[int, int] = {}
+    for c, t in zip(gen.choices, timers, strict=True):
+        fewest[c.prompt_index] = min(
+            fewest.get(c.prompt_index, t.num_cached_tokens), t.num_cached_tokens
+        )
+    return sum(fewest.values())
 
 
 def _completion_tokens(gen: Generation, timers: Sequence[_ChoiceMetrics]) -> int:

@@ -77,14 +77,29 @@ def test_chat_stream_equals_non_stream_with_usage(client: OpenAI, server: Served
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    streamed = chunks[-1].usage
+    assert chunks[-1].choices == [] and streamed is not None and whole.usage is not None
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
     expected_prompt = len(
         server.svc.tokenizer.encode(
             server.svc.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False
         )
     )
-    assert whole.usage is not None and whole.usage.prompt_tokens == expected_prompt
+    assert whole.usage.prompt_tokens == expected_prompt
     assert whole.usage.completion_tokens <= 16
+    # The same prompt again, on the one prefill worker: its full blocks came from its
+    # prefix cache (the last token is always computed), and usage says so.
+    block = tiny_config().engine.block_size
+    assert streamed.prompt_tokens_details is not None and whole.usage.prompt_tokens_details
+    cached = streamed.prompt_tokens_details.cached_tokens
+    assert cached == (expected_prompt - 1) // block * block > 0
+    assert whole.usage.prompt_tokens_details.cached_tokens <= cached
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    counted = [line for line in metrics.splitlines() if line.startswith("baton_prompt_cached")]
+    assert counted and float(counted[0].split()[-1]) >= cached, counted
 
 
 def test_completions_stream_and_not(client: OpenAI) -> None:

@@ -314,6 +314,22 @@ def test_repetition_penalty_equals_vllm_generate(
     assert got != expected[:4]  # it changed the text
 
 
+def test_vllm_prefix_cache_hits_are_in_usage(colocated: str) -> None:
+    """vLLM's prefix cache, as OpenAI's usage shows it: a prompt of 129 tokens sent
+    twice has its first block (128 tokens) cached the second time."""
+    from openai import OpenAI
+
+    prompt = PROMPTS[7]
+    assert len(prompt) == 129
+    client = OpenAI(base_url=colocated + "/v1", api_key="x", max_retries=0, timeout=60)
+    cached = []
+    for _ in range(2):
+        usage = client.completions.create(model="m", prompt=prompt, max_tokens=2).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+    assert cached[1] == 128 and cached[0] in (0, 128)
+
+
 def test_structured_outputs_and_logit_bias_reach_vllm(colocated: str) -> None:
     """The backend-neutral constraint and logit_bias are vLLM's own on this backend."""
     from openai import OpenAI

@@ -112,6 +112,7 @@ class _Tracked:
     # reaches its first placeholder.
     encodes: tuple[tuple[int, int], ...] = ()
     sent_prompt_logprobs: bool = False  # sent with the first output (vLLM sends them once)
+    counted_hits: bool = False  # its prefix-cache hits added to the engine's count
 
 
 class VllmEngine:
@@ -154,6 +155,7 @@ class VllmEngine:
         self._recent_steps: deque[StepStats] = deque(maxlen=_RECENT_STEPS)
         self._recent_output_lens: deque[int] = deque(maxlen=_RECENT_OUTPUT_LENS)
         self._num_prompt_tokens_computed = 0
+        self._num_prefix_hit_tokens = 0  # of the prompts computed here (not pulled ones)
 
     # -- the scheduler we read telemetry from ------------------------------------------
     @property
@@ -265,6 +267,9 @@ class VllmEngine:
         if tracked is None or not out.outputs:
             return None
         completion = out.outputs[0]
+        if not tracked.counted_hits and not tracked.drop_first:
+            tracked.counted_hits = True  # vLLM's count for the request, from its first output
+            self._num_prefix_hit_tokens += int(out.num_cached_tokens or 0)
         token_ids = tuple(int(t) for t in completion.token_ids)
         logprobs = token_logprobs(completion.logprobs, token_ids) if completion.logprobs else None
         if tracked.drop_first and tracked.num_generated == 0 and token_ids:
@@ -365,12 +370,15 @@ class VllmEngine:
             )
             for r in scheduler.running
         )
+        free = int(pool.get_num_free_blocks())
         return EngineStats(
             block_size=self._layout.block_size,
             num_total_blocks=total,
-            num_free_blocks=int(pool.get_num_free_blocks()),
-            num_cached_blocks=0,
-            num_held_blocks=sum(n for _, n in self._held.values()),
+            num_free_blocks=free,
+            num_cached_blocks=0,  # vLLM's free queue would be walked to tell: not counted
+            # Each held prompt's blocks, at most the blocks in use: prompts held at once
+            # share their cached prefix's blocks, which the sum counts once per prompt.
+            num_held_blocks=min(sum(n for _, n in self._held.values()), total - free),
             running=running,
             waiting_prompt_lens=tuple(
                 int(r.num_prompt_tokens - r.num_computed_tokens) for r in prompting
@@ -383,7 +391,7 @@ class VllmEngine:
             recent_steps=tuple(self._recent_steps),
             recent_output_lens=tuple(self._recent_output_lens),
             num_preemptions=sum(int(r.num_preemptions) for r in scheduler.requests.values()),
-            num_prefix_hit_tokens=0,
+            num_prefix_hit_tokens=self._num_prefix_hit_tokens,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
             max_num_batched_tokens=int(scheduler.max_num_scheduled_tokens),
             long_prefill_token_threshold=int(

@@ -66,6 +66,7 @@ async def test_chat_stream_framing_and_usage(gateway: Any) -> None:
             "prompt_tokens": whole["usage"]["prompt_tokens"],
             "completion_tokens": 12,
             "total_tokens": whole["usage"]["prompt_tokens"] + 12,
+            "prompt_tokens_details": {"cached_tokens": 0},  # the fake caches nothing
         }
     )
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
