@@ -62,9 +62,13 @@ class ChoiceShaper:
         """The message and finish_reason of a finished choice."""
         mode = self._spec.tool_mode
         if self._forced is not None and mode is not None:
-            calls = forced_calls(mode, text) if finish == "stop" else []
+            # A named function's output is its arguments, however it ended (cut short by
+            # length: as far as they got, as streamed and as vLLM answers); a list of
+            # calls is known only once it parses.
+            named = mode.kind == "named"
+            calls = forced_calls(mode, text) if finish == "stop" or named else []
             if calls:
-                return _message(None, "", calls), mode.finish_reason
+                return _message(None, "", calls), mode.finish_reason if finish == "stop" else finish
             return _message(text, "", []), finish
         if self._parser is None:
             return _message(text, "", []), finish

@@ -147,3 +147,21 @@ def test_auto_mode_streams_the_same_calls_and_content_as_the_whole_answer(
         assert got == (message["content"] or "", message.get("reasoning", ""), whole_calls, finish)
     hidden = ShapeSpec(_auto_mode(), reasoning, parser, include_reasoning=False)
     assert "reasoning" not in ChoiceShaper(hidden).whole(text, "stop")[0]
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_a_named_call_is_a_call_streamed_or_whole_however_it_ended(finish: str) -> None:
+    """Cut short by max_tokens, a forced named function's arguments are still its
+    call's (as far as they got), streamed and whole alike (the whole answer gave them
+    as content, with no call)."""
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    spec = ShapeSpec(ToolMode("named", (tool,), False))
+    text = '{"city": "Os' if finish == "length" else '{"city": "Oslo"}'
+    message, whole_finish = ChoiceShaper(spec).whole(text, finish)
+    assert message["content"] is None and whole_finish == finish
+    (call,) = message["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("get_weather", text)
+    shaper = ChoiceShaper(spec)
+    first, last = shaper.delta(text[:5], None), shaper.delta(text[5:], finish)
+    streamed = "".join(f["function"]["arguments"] for f in first.tool_calls + last.tool_calls)
+    assert streamed == text and last.finish_reason == whole_finish
