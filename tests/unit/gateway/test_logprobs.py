@@ -134,3 +134,27 @@ def test_top_logprobs_keeps_the_sampled_tokens_own_logprob() -> None:
     first, second = acc.render()["top_logprobs"]
     assert first == {_REPLACEMENT: -1.0, "A": -3.0}  # the sampled 201, not 200 or 202
     assert second == {_REPLACEMENT: -0.5, "A": -3.0}  # otherwise the most likely
+
+
+@pytest.mark.asyncio
+async def test_echoed_logprobs_per_choice_streamed_as_whole(gateway: Any) -> None:
+    """Two prompts, two choices each: every choice echoes its own prompt with its
+    logprobs first, streamed (each when its choice's first delta comes) as whole."""
+    _, client = await gateway()
+    body = {"model": MODEL, "prompt": ["abc", "de"], "n": 2, "max_tokens": 3}
+    body |= {"echo": True, "logprobs": 0, "ignore_eos": True, "temperature": 0}
+    whole = (await client.post("/v1/completions", json=body)).json()["choices"]
+    stream = await client.post("/v1/completions", json={**body, "stream": True})
+    per_choice: dict[int, list[str]] = {}
+    texts: dict[int, str] = {}
+    for event in _events(stream.text):
+        for c in event["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["logprobs"]:
+                per_choice.setdefault(c["index"], []).extend(c["logprobs"]["tokens"])
+    for c in whole:
+        prompt = "abc" if c["index"] < 2 else "de"
+        assert c["text"].startswith(prompt) and texts[c["index"]] == c["text"]
+        assert c["logprobs"]["tokens"][: len(prompt)] == list(prompt)
+        assert c["logprobs"]["token_logprobs"][0] is None
+        assert per_choice[c["index"]] == c["logprobs"]["tokens"]
