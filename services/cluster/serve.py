@@ -209,8 +209,8 @@ async def _serve_on(
             namespace="baton",
         )
     cluster_has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    if gateway_only:
-        svc, layout = build_gateway(config), _configured_layout(config)
+    if gateway_only:  # the control plane launched its workers from the same config
+        svc, layout = build_gateway(config), _launched_layout(config, _worker_specs(config))
     else:
         svc, layout = _build_service(config, cluster_has_gpus)
     app = create_app(svc)
@@ -255,13 +255,11 @@ def _server_class() -> Any:
 
 def _build_service(config: ClusterConfig, cluster_has_gpus: bool) -> tuple[Any, str]:
     """The service, and its layout as the start-up line tells it."""
-    from services.cluster.factories import factories_for
     from services.cluster.launchers import RayLauncher
-    from services.cluster.specs import worker_specs
     from services.engine.loader import load_tokenizer
     from services.gateway.service import GatewayService, GatewaySettings
 
-    specs = worker_specs(config, *factories_for(config), cluster_has_gpus=cluster_has_gpus)
+    specs = _worker_specs(config, cluster_has_gpus)
     settings = GatewaySettings(
         config.gateway, config.router, config.model, config.kvtransfer.backend
     )
@@ -283,14 +281,11 @@ def _launched_layout(config: ClusterConfig, specs: Sequence[Any]) -> str:
     return f"{config.workers.mode}: {roles}; kv={kv}"
 
 
-def _configured_layout(config: ClusterConfig) -> str:
-    """A gateway over a control plane: the workers as configured there."""
-    w = config.workers
-    encode = f"{w.encode} encode, " if w.encode else ""
-    return (
-        f"{w.mode}: {encode}{w.prefill} prefill, {w.decode} decode, {w.mixed} mixed; "
-        f"kv={config.kvtransfer.backend}"
-    )
+def _worker_specs(config: ClusterConfig, cluster_has_gpus: bool = False) -> list[Any]:
+    from services.cluster.factories import factories_for
+    from services.cluster.specs import worker_specs
+
+    return worker_specs(config, *factories_for(config), cluster_has_gpus=cluster_has_gpus)
 
 
 def build_gateway(config: ClusterConfig) -> Any:

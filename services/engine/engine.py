@@ -255,7 +255,7 @@ class LLMEngine:
             [r.output_token_ids for r in inputs.sample_requests],
             self._info.eos_token_ids,
             self.generator,
-            [r.prompt_token_ids for r in inputs.sample_requests],
+            [r.distinct_prompt_ids() for r in inputs.sample_requests],
         )
         logprobs = result.logprobs or [None] * len(result.token_ids)
         return list(result.token_ids), list(logprobs)

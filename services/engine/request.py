@@ -6,9 +6,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.messages import EngineRequest, FinishReason, SamplingParams
+import torch
+
+from services.engine.messages import EngineRequest, FinishReason, SamplingParams, TokenLogprob
 
 __all__ = ["Request", "RequestStatus"]
+
+_NO_IDS = torch.empty(0, dtype=torch.int64)
 
 
 class RequestStatus(enum.Enum):
@@ -41,7 +45,8 @@ class Request:
     # Prompt logprobs computed so far (tokens 1, 2, ...), while they are wanted and not yet
     # sent: None for a request that asked for none, continues one started elsewhere, or
     # has sent them with its first output.
-    prompt_logprobs: list[Any] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    _distinct_prompt_ids: Any = None  # torch int64, made on first use
     images: tuple[Any, ...] = ()  # its ImageInputs: resolved on demand (an adopted one's
     # KV arrived from elsewhere, so only a recompute after a preemption needs them)
 
@@ -70,6 +75,16 @@ class Request:
             if message.sampling.prompt_logprobs is not None and not message.output_token_ids
             else None,
         )
+
+    def distinct_prompt_ids(self) -> Any:
+        """The prompt's distinct token ids (a CPU int64 tensor; empty while the request
+        has no repetition penalty, the one reader): made once, not per step."""
+        if self.sampling.repetition_penalty == 1:
+            return _NO_IDS
+        if self._distinct_prompt_ids is None:
+            prompt = torch.tensor(self.prompt_token_ids, dtype=torch.int64)
+            self._distinct_prompt_ids = prompt.unique()
+        return self._distinct_prompt_ids
 
     @property
     def computes_prompt_logprobs(self) -> bool:

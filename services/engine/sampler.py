@@ -50,11 +50,11 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]],
         eos_token_ids: Sequence[tuple[int, ...]] | tuple[int, ...],
         global_generator: torch.Generator,
-        prompt_token_ids: Sequence[Sequence[int]] = (),
+        prompt_ids: Sequence[torch.Tensor],
     ) -> SampleResult:
         """``logits`` [N, vocab] float32; ``eos_token_ids`` per row or one tuple for all
-        rows; ``prompt_token_ids`` per row, for ``repetition_penalty`` (none given: the
-        output alone is penalised)."""
+        rows; ``prompt_ids``: each row's distinct prompt token ids (int64, on the CPU; any,
+        even empty, where ``repetition_penalty`` is 1), which the penalty counts as seen."""
         if _all_plain_greedy(params, output_token_ids):
             # The common serving case: one argmax, no copy of the logits, no per-row work.
             return SampleResult(_argmax_rows(logits), [None] * len(params))
@@ -67,9 +67,11 @@ class Sampler:
         eos = _per_row_eos(eos_token_ids, len(params))
         logits = logits.clone()
         _mask_until_min_tokens(logits, params, output_token_ids, eos)
-        _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
-        _apply_penalties(logits, params, output_token_ids)
+        # vLLM's order: the bias, then the penalties (the repetition penalty scales what
+        # the bias moved).
         _apply_logit_bias(logits, params)
+        _apply_repetition_penalty(logits, params, output_token_ids, prompt_ids)
+        _apply_penalties(logits, params, output_token_ids)
         token_ids = _choose(logits, params, output_token_ids, global_generator)
         logprobs = [
             None
@@ -132,18 +134,15 @@ def _apply_repetition_penalty(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
-    prompt_token_ids: Sequence[Sequence[int]],
+    prompt_ids: Sequence[torch.Tensor],
 ) -> None:
     """vLLM's: each token seen in the prompt or the output so far has a positive logit
     divided by the penalty and a negative one multiplied by it."""
     for i, p in enumerate(params):
         if p.repetition_penalty == 1:
             continue
-        prompt = prompt_token_ids[i] if i < len(prompt_token_ids) else ()
-        seen = torch.tensor([*prompt, *output_token_ids[i]], dtype=torch.int64)
-        if not len(seen):
-            continue
-        ids = seen.unique().to(logits.device)
+        outputs = torch.tensor(list(output_token_ids[i]), dtype=torch.int64)
+        ids = torch.cat((prompt_ids[i], outputs)).unique().to(logits.device)
         row = logits[i, ids]
         logits[i, ids] = torch.where(
             row > 0, row / p.repetition_penalty, row * p.repetition_penalty

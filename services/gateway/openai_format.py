@@ -29,17 +29,16 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 def usage(
-    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
 ) -> dict[str, Any]:
-    """OpenAI's usage; with ``num_cached_tokens``, its ``prompt_tokens_details``."""
-    out: dict[str, Any] = {
+    """OpenAI's usage, with ``prompt_tokens_details.cached_tokens``: the prompt tokens
+    served from a prefix cache."""
+    return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
-    if num_cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
-    return out
 
 
 def _finish(reason: str | None) -> str | None:

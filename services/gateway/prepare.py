@@ -76,7 +76,7 @@ def _sampling(
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        seed=None if body.seed is None else body.seed + seed_offset,
+        seed=None if body.seed is None else _choice_seed(body.seed, seed_offset),
         stop=tuple(s for s in stop if s),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
@@ -91,6 +91,12 @@ def _sampling(
     except InvalidRequestError as e:
         raise BadRequest(str(e), e.param) from e
     return params
+
+
+def _choice_seed(seed: int, offset: int) -> int:
+    """Choice ``offset``'s seed: the request's plus the offset, wrapped to 64 bits (a
+    seed the client may send, 2^63 - 1, gives its second choice -2^63, not a refusal)."""
+    return (seed + offset + 2**63) % 2**64 - 2**63
 
 
 def _check_length(

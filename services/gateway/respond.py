@@ -161,7 +161,7 @@ async def respond(
         return await _until_disconnect(_collect(svc, gen, events, first, timers), request)
     finally:
         svc.finish()
-        on_finish(sum(t.num_output_tokens for t in timers))
+        on_finish(_completion_tokens(gen, timers))
 
 
 def _count(svc: GatewayService, outcome: str, n: int = 1) -> None:
@@ -197,13 +197,11 @@ async def _collect(
     texts = [""] * n
     finish: list[str | None] = [None] * n
     accs = _logprobs_accs(gen)
-    echoed = [False] * n  # an echoed prompt's logprobs added (with its first delta)
+    echo_scores = _EchoScores(svc, gen, accs)
 
     def take(i: int, d: TokenDelta) -> None:
         timers[i].on_delta(d)
-        if gen.prompt_logprobs and not echoed[i]:
-            echoed[i] = True
-            accs[i].add_prompt(svc.tokenizer, gen.choices[i].prompt_token_ids, d.prompt_logprobs)
+        echo_scores.add(i, d)
         d = _shown(gen, d)
         texts[i] += d.text
         if d.logprobs:
@@ -254,24 +252,21 @@ async def _stream_body(
     if gen.endpoint == "chat" and not gen.shape.is_plain:
         shapers = [ChoiceShaper(gen.shape) for _ in range(n)]
     accs = _logprobs_accs(gen)
-    # An echoed prompt with its logprobs waits for them: its choice's first delta.
-    echoed = [not gen.prompt_logprobs] * n
+    echo_scores = _EchoScores(svc, gen, accs)
     outcome = "aborted"
     try:
         for c in gen.choices:
             usage_now = _running_usage(gen, timers) if gen.continuous_usage else None
             if gen.endpoint == "chat":
                 yield sse(fmt.chunk(c.index, "", None, first=True, usage_now=usage_now))
-            elif gen.echo_texts and echoed[c.index]:
+            elif gen.echo_texts and not echo_scores.due(c.index):
                 yield sse(fmt.chunk(c.index, gen.echo_texts[c.prompt_index], None))
         pending = [first] if first is not None else []
         async for item in _chain(pending, events):
             i, d = item
-            if not echoed[i]:
-                echoed[i] = True
-                c = gen.choices[i]
-                accs[i].add_prompt(svc.tokenizer, c.prompt_token_ids, d.prompt_logprobs)
-                yield sse(fmt.chunk(i, gen.echo_texts[c.prompt_index], None, accs[i].take()))
+            if echo_scores.add(i, d):  # the echo waited for them
+                echo = gen.echo_texts[gen.choices[i].prompt_index]
+                yield sse(fmt.chunk(i, echo, None, accs[i].take()))
             timers[i].on_delta(d)
             d = _shown(gen, d)
             logprobs = None
@@ -312,8 +307,31 @@ async def _stream_body(
     finally:
         _count(svc, outcome, n)
         svc.finish()
-        on_finish(sum(t.num_output_tokens for t in timers))
+        on_finish(_completion_tokens(gen, timers))
         await events.aclose()
+
+
+class _EchoScores:
+    """An echoed prompt's logprobs (echo with logprobs): each choice's go into its
+    logprobs before its outputs', from its first delta, which carries them."""
+
+    def __init__(self, svc: GatewayService, gen: Generation, accs: list[LogprobsAcc]) -> None:
+        self._tokenizer = svc.tokenizer
+        self._choices = gen.choices
+        self._accs = accs
+        self._due = [gen.prompt_logprobs] * len(gen.choices)
+
+    def due(self, i: int) -> bool:
+        return self._due[i]
+
+    def add(self, i: int, d: TokenDelta) -> bool:
+        """Add choice ``i``'s from ``d`` if still due; whether they were."""
+        if not self._due[i]:
+            return False
+        self._due[i] = False
+        prompt = self._choices[i].prompt_token_ids
+        self._accs[i].add_prompt(self._tokenizer, prompt, d.prompt_logprobs)
+        return True
 
 
 def _logprobs_accs(gen: Generation) -> list[LogprobsAcc]:

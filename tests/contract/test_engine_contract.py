@@ -298,9 +298,13 @@ def test_adopted_request_continues_as_if_colocated(build: Build) -> None:
 
     prefill, decode = build(), build()
     assert prefill is not decode
-    prefill.add_request(EngineRequest("x2", p, greedy(6), prefill_only=True))
+    # Prompt logprobs asked for: the prefill worker scores the prompt; the decoder, whose
+    # prompt KV is pulled (no logits to score it by), sends none.
+    scored = replace(greedy(6), prompt_logprobs=1)
+    prefill.add_request(EngineRequest("x2", p, scored, prefill_only=True))
     (first,) = run(prefill)["x2"]
-    continued = EngineRequest("x2", p, greedy(6), output_token_ids=first.new_token_ids)
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(p) - 1
+    continued = EngineRequest("x2", p, scored, output_token_ids=first.new_token_ids)
     if moves_own_kv(decode):
         assert first.remote_kv is not None
         decode.add_request(replace(continued, remote_kv=first.remote_kv))
@@ -312,6 +316,7 @@ def test_adopted_request_continues_as_if_colocated(build: Build) -> None:
         prefill.release_held("x2")
         decode.start_adopted("x2")
     rest = run(decode)["x2"]
+    assert all(o.prompt_logprobs is None for o in rest)
     assert [*first.new_token_ids, *tokens(rest)] == expected
     assert rest[-1].num_output_tokens == 6
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import traceback
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +40,13 @@ from typing import Any
 
 from kvtransfer.types import KVLayout
 from services.backends.vllm.images import vllm_image_prompt
-from services.backends.vllm.params import remote_decode_params, sampling_params, token_logprobs
+from services.backends.vllm.params import (
+    prompt_token_logprobs,
+    refused_field,
+    remote_decode_params,
+    sampling_params,
+    token_logprobs,
+)
 from services.backends.vllm.steps import images_to_encode, step_stats
 from services.engine.messages import (
     EngineError,
@@ -51,7 +56,6 @@ from services.engine.messages import (
     InvalidRequestError,
     RequestOutput,
     RunningRequestStats,
-    SamplingParams,
     StepStats,
 )
 
@@ -67,19 +71,6 @@ def _client_errors() -> tuple[type[Exception], ...]:
     from vllm.exceptions import VLLMClientError
 
     return (ValueError, VLLMClientError)
-
-
-def _refused_field(error: BaseException, sampling: SamplingParams) -> str | None:
-    """The request field a vLLM refusal is about, where it can be told: the output
-    constraint's (``response_format`` or ``structured_outputs``) when the refusal came
-    from vLLM's structured-output code (a grammar, regex or schema it cannot compile)."""
-    structured = sampling.structured
-    if structured is None:
-        return None
-    frames = traceback.extract_tb(error.__traceback__)
-    if any("structured_output" in f.name or "structured_output" in f.filename for f in frames):
-        return structured.param
-    return None
 
 
 log = logging.getLogger(__name__)
@@ -208,6 +199,7 @@ class VllmEngine:
             len(tokens),
             request.prefill_only,
             self._info.max_model_len,
+            continued=bool(prior),
         )
         if request.prefill_only:
             params.extra_args = {"kv_transfer_params": remote_decode_params()}
@@ -224,7 +216,7 @@ class VllmEngine:
         try:
             internal_id = self._llm.add_request(request.request_id, prompt, params)
         except _client_errors() as e:  # vLLM's own validation (evaluated only on an error)
-            raise InvalidRequestError(str(e), _refused_field(e, request.sampling)) from e
+            raise InvalidRequestError(str(e), refused_field(e, request.sampling)) from e
         files = remote_kv is None and any(i.embeddings is None for i in request.images)
         encodes = tuple((i.offset, i.num_tokens) for i in request.images) if files else ()
         tracked = _Tracked(request, str(internal_id), len(known), drop_first, encodes=encodes)
@@ -301,8 +293,7 @@ class VllmEngine:
         prompt_logprobs = None
         if out.prompt_logprobs and not tracked.sent_prompt_logprobs:
             tracked.sent_prompt_logprobs = True  # asked for only where nothing came before
-            prompt_ids = request.prompt_token_ids[1:]
-            prompt_logprobs = token_logprobs(out.prompt_logprobs[1:], prompt_ids)
+            prompt_logprobs = prompt_token_logprobs(out.prompt_logprobs, request.prompt_token_ids)
         if out.finished:
             del self._tracked[request.request_id]
             if finish is not FinishReason.PREFILLED:

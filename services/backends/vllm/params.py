@@ -8,6 +8,7 @@ a request continued after a failover counts what it already generated against
 from __future__ import annotations
 
 import json
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,14 +19,29 @@ from services.engine.messages import (
     TokenLogprob,
 )
 
-__all__ = ["remote_decode_params", "sampling_params", "structured_params", "token_logprobs"]
+__all__ = [
+    "prompt_token_logprobs",
+    "refused_field",
+    "remote_decode_params",
+    "sampling_params",
+    "structured_params",
+    "token_logprobs",
+]
 
 
 def sampling_params(
-    s: SamplingParams, num_known: int, num_tokens: int, prefill_only: bool, max_model_len: int
+    s: SamplingParams,
+    num_known: int,
+    num_tokens: int,
+    prefill_only: bool,
+    max_model_len: int,
+    *,
+    continued: bool = False,
 ) -> Any:
     """``s`` as vLLM's ``SamplingParams`` for a request with ``num_known`` outputs
-    already generated and ``num_tokens`` tokens in all; tokens only (no text), in deltas."""
+    already generated and ``num_tokens`` tokens in all; tokens only (no text), in deltas.
+    ``continued``: its first token came from elsewhere (a decode continuation, whose own
+    known outputs leave that token out, or a failover)."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -49,8 +65,9 @@ def sampling_params(
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
-        # A continuation's prompt logprobs went out with its first token, elsewhere.
-        prompt_logprobs=None if num_known else s.prompt_logprobs,
+        # A continuation's prompt logprobs went out with its first token, elsewhere (a
+        # decode continuation's prompt KV is pulled: vLLM has no logits to score it by).
+        prompt_logprobs=None if continued or num_known else s.prompt_logprobs,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
         structured_outputs=structured_params(s.structured, num_known),
@@ -111,3 +128,24 @@ def token_logprobs(
             )
         )
     return tuple(result)
+
+
+def prompt_token_logprobs(
+    entries: Sequence[Mapping[int, Any] | None], prompt_token_ids: Sequence[int]
+) -> tuple[TokenLogprob, ...]:
+    """vLLM's ``prompt_logprobs`` (None for token 0, then one entry per prompt token) as
+    Baton's: prompt tokens 1..P-1."""
+    return token_logprobs([e or {} for e in entries[1:]], prompt_token_ids[1:])
+
+
+def refused_field(error: BaseException, sampling: SamplingParams) -> str | None:
+    """The request field a vLLM refusal is about, where it can be told: the output
+    constraint's (``response_format`` or ``structured_outputs``) when the refusal came
+    from vLLM's structured-output code (a grammar, regex or schema it cannot compile)."""
+    structured = sampling.structured
+    if structured is None:
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if any("structured_output" in f.name or "structured_output" in f.filename for f in frames):
+        return structured.param
+    return None

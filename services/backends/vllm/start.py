@@ -56,14 +56,15 @@ def vllm_engine_args(
     # free whitespace wandered into it until max_tokens). vLLM reads this per engine,
     # not per request, and only with xgrammar or guidance named: xgrammar, the grammar
     # engine the embedded engine uses, so both accept the same schemas.
-    args["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
+    # engine.vllm's keys override these one by one.
+    structured = {"backend": "xgrammar", "disable_any_whitespace": True}
+    own = options.pop("structured_outputs_config", None)
     args.update(options)
-    if isinstance(args["structured_outputs_config"], Mapping):
+    if own is None or isinstance(own, Mapping):
         from vllm.config import StructuredOutputsConfig
 
-        args["structured_outputs_config"] = StructuredOutputsConfig(
-            **args["structured_outputs_config"]
-        )
+        own = StructuredOutputsConfig(**{**structured, **(own or {})})
+    args["structured_outputs_config"] = own
     return args
 
 

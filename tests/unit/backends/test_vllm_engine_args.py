@@ -59,9 +59,12 @@ def test_engine_vllm_options_override_the_shared_settings(checkpoint: Path) -> N
 
 def test_json_is_compact_unless_engine_vllm_says(checkpoint: Path) -> None:
     """vLLM reads free whitespace per engine (a request's own setting is ignored): off,
-    as the embedded engine's default; ``engine.vllm`` may turn it on."""
+    as the embedded engine's default; ``engine.vllm`` may change each key alone."""
     config = _vllm_config(checkpoint).structured_outputs_config
     assert config.disable_any_whitespace and config.backend == "xgrammar"
-    loose = {"structured_outputs_config": {"backend": "guidance"}}
+    guidance = {"structured_outputs_config": {"backend": "guidance"}}
+    config = _vllm_config(checkpoint, vllm=guidance).structured_outputs_config
+    assert config.disable_any_whitespace and config.backend == "guidance"
+    loose = {"structured_outputs_config": {"disable_any_whitespace": False}}
     config = _vllm_config(checkpoint, vllm=loose).structured_outputs_config
-    assert not config.disable_any_whitespace and config.backend == "guidance"
+    assert not config.disable_any_whitespace and config.backend == "xgrammar"

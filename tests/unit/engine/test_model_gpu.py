@@ -57,6 +57,9 @@ def test_cuda_sampler_seeded_matches_cpu() -> None:
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
     outputs: list[list[int]] = [[1, 2], [], [3], [4, 5, 6]]
-    cpu = Sampler().sample(logits, params, outputs, (2,), torch.Generator())
-    gpu = Sampler().sample(logits.cuda(), params, outputs, (2,), torch.Generator(device="cuda"))
+    none = [torch.empty(0, dtype=torch.int64)] * 4
+    cpu = Sampler().sample(logits, params, outputs, (2,), torch.Generator(), none)
+    gpu = Sampler().sample(
+        logits.cuda(), params, outputs, (2,), torch.Generator(device="cuda"), none
+    )
     assert gpu.token_ids == cpu.token_ids

@@ -141,5 +141,7 @@ def test_a_recomputed_prompt_scores_only_what_it_had_not() -> None:
     # Positions 5, 6, 7 of its chunk 0..7 (rows 3 + 5 ...) score tokens 6, 7, 8.
     assert spans == [PromptSpan(r, 8, 6, 3)]
     r.prompt_logprobs += [TokenLogprob(t, -1.0) for t in range(9, 12)]  # tokens 1..8
-    r.num_computed_tokens = 8  # the last chunk: position 8 scores token 9, position 9
-    assert prompt_spans([ScheduledRequest(r, 2)]) == [PromptSpan(r, 0, 9, 1)]  # none
+    # The last chunk, positions 8 and 9: 8 scores token 9; 9, the last, scores no prompt
+    # token (its logits give the first output).
+    r.num_computed_tokens = 8
+    assert prompt_spans([ScheduledRequest(r, 2)]) == [PromptSpan(r, 0, 9, 1)]

@@ -26,6 +26,7 @@ def _sample(
         outputs if outputs is not None else [[] for _ in params],
         EOS,
         torch.Generator().manual_seed(generator_seed),
+        [torch.empty(0, dtype=torch.int64)] * len(params),
     )
 
 
@@ -111,6 +112,7 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
         [[], []],
         [(7,), (3,)],
         torch.Generator(),
+        [torch.empty(0, dtype=torch.int64)] * 2,
     )
     assert per_row.token_ids == [3, 7]
 
@@ -183,3 +185,15 @@ def test_a_plain_greedy_batch_still_serves_a_row_that_needs_masking_or_logprobs(
     lp = with_lp.logprobs[1]
     assert lp is not None and lp.token_id == 7
     assert abs(lp.logprob - torch.log_softmax(row[0], -1)[7].item()) < 1e-6
+
+
+def test_the_bias_comes_before_the_repetition_penalty_as_in_vllm() -> None:
+    """Token 0 (seen) at 2.0 with a bias of +2 and a penalty of 2: (2 + 2) / 2 = 2.0,
+    below token 1's 2.9 (vLLM's order); penalised first it would read 2 / 2 + 2 = 3.0."""
+    row = torch.tensor([[2.0, 2.9, 0.0, 0.0]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias=((0, 2.0),))
+    seen = torch.tensor([0], dtype=torch.int64)
+    out = Sampler().sample(row, [p], [[]], EOS, torch.Generator(), [seen])
+    assert out.token_ids == [1]
+    unseen = Sampler().sample(row, [p], [[]], EOS, torch.Generator(), [seen[:0]])
+    assert unseen.token_ids == [0]  # 4.0: the penalty is what moved it

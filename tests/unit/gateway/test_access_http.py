@@ -113,12 +113,16 @@ async def test_metrics_count_per_key_name_and_logs_hold_no_key_or_prompt(
     for _ in range(3):  # the third is over alice's limit
         await client.post("/v1/completions", json=_body(max_tokens=5), headers=_auth(ALICE))
     await client.post("/v1/completions", json=_body(max_tokens=5), headers=_auth(BOB))
+    # Scoring alone (echo, max_tokens 0): the token the engine made is not billed.
+    scored = _body(max_tokens=0, echo=True, logprobs=0)
+    assert (await client.post("/v1/completions", json=scored, headers=_auth(BOB))).is_success
     await client.post("/v1/completions", json=_body(), headers=_auth("sk-baton-wrong"))
     text = (await client.get("/metrics")).text
     assert 'baton_key_requests_total{key="alice"} 2.0' in text
-    assert 'baton_key_requests_total{key="bob"} 1.0' in text
+    assert 'baton_key_requests_total{key="bob"} 2.0' in text
     assert 'baton_key_rate_limited_total{key="alice",limit="requests"} 1.0' in text
     assert 'baton_key_generation_tokens_total{key="alice"} 10.0' in text
+    assert 'baton_key_generation_tokens_total{key="bob"} 5.0' in text
     assert 'baton_key_inflight_requests{key="alice"} 0.0' in text
     prompt_line = next(
         x for x in text.splitlines() if x.startswith('baton_key_prompt_tokens_total{key="bob"}')

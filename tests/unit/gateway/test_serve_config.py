@@ -145,12 +145,10 @@ def test_the_serving_line_counts_the_workers_launched(
     from types import SimpleNamespace
 
     from services.cluster import serve
-    from services.cluster.factories import factories_for
-    from services.cluster.specs import worker_specs
 
     monkeypatch.setattr(serve, "freeze_startup_heap", lambda: None)  # not this process's heap
     config = build_config(parse("--config", "deploy/configs/local.yaml", *argv), {})
-    layout = serve._launched_layout(config, worker_specs(config, *factories_for(config)))
+    layout = serve._launched_layout(config, serve._worker_specs(config))
     started = SimpleNamespace(started=True, servers=[])
     asyncio.run(serve._announce_when_started(started, config, layout))
     assert capsys.readouterr().out.rstrip().endswith(says)
